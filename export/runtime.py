@@ -1,0 +1,139 @@
+"""One interface over every runtime a model can run in: eager PyTorch, ExecuTorch, ONNX Runtime.
+
+The pipeline's checks (perplexity, agreement, greedy generation, latency) are written once
+against :class:`Runner`, so an exported artifact is measured by exactly the code that
+measured the eager model before it. A runner is stateful: it holds a KV cache and a position.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, Iterable
+
+import torch
+
+
+class RunnerError(RuntimeError):
+    """An artifact could not be loaded or run; the message names the file and the cause."""
+
+
+class Runner(abc.ABC):
+    """A causal LM in some runtime, driven one chunk of tokens at a time.
+
+    Subclasses implement :meth:`reset` and :meth:`forward`. ``forward`` continues from the
+    current position, so ``reset(); forward(prompt); forward([next_token])`` is prefill then
+    one decode step, and ``reset(); forward(window)`` scores a window from a clean state.
+    """
+
+    #: short runtime label for reports, e.g. "eager", "executorch", "onnxruntime"
+    runtime: str = "runner"
+    #: largest total sequence (prompt + generated) the runner can hold, or None if unbounded
+    max_seq_len: int | None = None
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Forget the KV cache; the next ``forward`` starts at position 0."""
+
+    @abc.abstractmethod
+    def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
+        """Feed token ids (1-D LongTensor of length T) at the current position.
+
+        Returns float32 logits of shape ``[T, vocab]`` when ``all_logits`` else ``[1, vocab]``
+        for the last position only. Implementations split long inputs into chunks their
+        runtime accepts; the result is the same as one call.
+        """
+
+    @property
+    def position(self) -> int:
+        """Tokens held in the cache now."""
+        return getattr(self, "_pos", 0)
+
+    def size_bytes(self) -> int | None:
+        """Size of the shipped artifact in bytes, or None if not applicable."""
+        return None
+
+    def describe(self) -> dict:
+        """Runtime settings for the report (threads, providers, optimization level...)."""
+        return {"runtime": self.runtime, "max_seq_len": self.max_seq_len}
+
+    def close(self) -> None:  # pragma: no cover - default no-op
+        pass
+
+
+def greedy_generate(
+    runner: Runner,
+    prompt_ids: Iterable[int] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_ids: Iterable[int] = (),
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Greedy decode ``max_new_tokens`` after ``prompt_ids``; returns only the new ids.
+
+    Stops early on an EOS id or when the runner's ``max_seq_len`` is reached.
+    ``on_token`` is called with each new id as it is produced (for streaming output).
+    """
+    ids = torch.as_tensor(list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids,
+                          dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("greedy_generate needs a non-empty prompt")
+    eos = set(int(e) for e in eos_token_ids)
+    limit = runner.max_seq_len
+    if limit is not None and ids.numel() >= limit:
+        raise ValueError(f"prompt of {ids.numel()} tokens does not fit max_seq_len={limit}")
+    runner.reset()
+    logits = runner.forward(ids, all_logits=False)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(torch.argmax(logits[-1]).item())
+        out.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
+        if nxt in eos:
+            break
+        if limit is not None and runner.position >= limit:
+            break
+        logits = runner.forward(torch.tensor([nxt], dtype=torch.long), all_logits=False)
+    return out
+
+
+class EagerRunner(Runner):
+    """A Hugging Face causal LM in eager PyTorch, with a DynamicCache.
+
+    Used for the baseline and every stage's checks, and as the reference that exported
+    runners are compared against.
+    """
+
+    runtime = "eager"
+
+    def __init__(self, model: torch.nn.Module, max_seq_len: int | None = None):
+        self.model = model
+        self.max_seq_len = max_seq_len
+        self._cache = None
+        self._pos = 0
+
+    def reset(self) -> None:
+        self._cache = None
+        self._pos = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1)
+        t = ids.shape[1]
+        if self._cache is None:
+            self._cache = DynamicCache(config=getattr(self.model, "config", None))
+        device = next(self.model.parameters()).device
+        pos = torch.arange(self._pos, self._pos + t, device=device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids.to(device),
+            position_ids=pos,
+            cache_position=pos[0],
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
+        self._cache = out.past_key_values
+        self._pos += t
+        return out.logits[0].float()

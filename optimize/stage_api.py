@@ -1,0 +1,112 @@
+"""The stage contract: a typed config plus a registered function ``(model, cfg, ctx) -> model``.
+
+Stages only transform the model. The pipeline runner owns the baseline, checks, gates,
+artifacts and the report. A stage that learns something worth reporting (chosen modules,
+KV-cache bytes, training loss) puts JSON-serializable values into ``ctx.details``.
+
+Writing a stage::
+
+    class MyConfig(StageConfig):
+        kind: Literal["my_stage"] = "my_stage"
+        strength: float = Field(1.0, gt=0, description="...")
+
+    @register_stage("my_stage", MyConfig)
+    def my_stage(model, cfg: MyConfig, ctx: StageContext):
+        '''One line shown by `optimize ls stages`.'''
+        ...
+        return model
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from pydantic import Field
+
+from targets.config_base import Strict
+from optimize.gates_config import GatesConfig
+
+log = logging.getLogger("optimize")
+
+
+class StageConfig(Strict):
+    """Fields every stage accepts, besides its own."""
+
+    kind: str
+    name: str | None = Field(None, description="label in the report; defaults to the kind")
+    gates: GatesConfig | None = Field(
+        None, description="gates for this stage, replacing the pipeline-wide ones metric by metric"
+    )
+
+    #: set by stages that need calibration text (the runner then prepares it)
+    needs_calibration: ClassVar[bool] = False
+
+    def quant_scheme(self) -> str | None:
+        """The quantization scheme this stage leaves in the model, checked against the target."""
+        return None
+
+    def label(self, index: int) -> str:
+        return self.name or f"{index}:{self.kind}"
+
+
+@dataclass
+class StageContext:
+    """What a stage may use besides the model. Read-only by convention, except ``details``."""
+
+    tokenizer: Any
+    #: calibration token windows (each a 1-D LongTensor), disjoint from evaluation text
+    calibration: list[torch.Tensor]
+    #: training text for stages that heal or distil (1-D LongTensor), disjoint from evaluation
+    train_ids: torch.Tensor
+    target: Any | None  # targets.TargetProfile
+    work_dir: Path
+    seed: int = 0
+    #: the model as it entered the pipeline, for teachers; do not modify it
+    baseline_model: torch.nn.Module | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    log: Callable[[str], None] = log.info
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    kind: str
+    config_cls: type[StageConfig]
+    fn: Callable[[torch.nn.Module, StageConfig, StageContext], torch.nn.Module]
+    description: str
+
+
+_STAGES: dict[str, StageSpec] = {}
+
+
+def register_stage(kind: str, config_cls: type[StageConfig], description: str | None = None):
+    """Register ``fn`` as the handler for stage ``kind`` (config class ``config_cls``)."""
+
+    def deco(fn):
+        if kind in _STAGES:
+            raise ValueError(f"stage kind {kind!r} is registered twice")
+        ann = config_cls.model_fields.get("kind")
+        if ann is None or ann.default != kind:
+            raise TypeError(f"{config_cls.__name__}.kind must default to {kind!r}")
+        desc = description or (fn.__doc__ or "").strip().splitlines()[0] if (description or fn.__doc__) else ""
+        _STAGES[kind] = StageSpec(kind, config_cls, fn, desc)
+        return fn
+
+    return deco
+
+
+def registered_stages() -> dict[str, StageSpec]:
+    """All stage kinds, after importing the built-in stage modules."""
+    import optimize.stages  # noqa: F401  (registers the built-ins)
+
+    return dict(sorted(_STAGES.items()))
+
+
+def get_stage(kind: str) -> StageSpec:
+    stages = registered_stages()
+    if kind not in stages:
+        raise KeyError(f"unknown stage kind {kind!r}; registered: {', '.join(stages)}")
+    return stages[kind]

