@@ -77,13 +77,25 @@ class StageSpec:
     config_cls: type[StageConfig]
     fn: Callable[[torch.nn.Module, StageConfig, StageContext], torch.nn.Module]
     description: str
+    #: re-applies the stage's structural change (no weights) to a freshly built model, so a
+    #: checkpoint saved after this stage can be loaded on resume; None if only weights change
+    restore: Callable[[torch.nn.Module, StageConfig], None] | None = None
 
 
 _STAGES: dict[str, StageSpec] = {}
 
 
-def register_stage(kind: str, config_cls: type[StageConfig], description: str | None = None):
-    """Register ``fn`` as the handler for stage ``kind`` (config class ``config_cls``)."""
+def register_stage(
+    kind: str,
+    config_cls: type[StageConfig],
+    description: str | None = None,
+    *,
+    restore: Callable[[torch.nn.Module, StageConfig], None] | None = None,
+):
+    """Register ``fn`` as the handler for stage ``kind`` (config class ``config_cls``).
+
+    ``restore`` is needed only by stages that change module structure beyond what the
+    saved HF config rebuilds (quantized tensor subclasses, swapped module classes)."""
 
     def deco(fn):
         if kind in _STAGES:
@@ -91,8 +103,9 @@ def register_stage(kind: str, config_cls: type[StageConfig], description: str | 
         ann = config_cls.model_fields.get("kind")
         if ann is None or ann.default != kind:
             raise TypeError(f"{config_cls.__name__}.kind must default to {kind!r}")
-        desc = description or (fn.__doc__ or "").strip().splitlines()[0] if (description or fn.__doc__) else ""
-        _STAGES[kind] = StageSpec(kind, config_cls, fn, desc)
+        doc = (fn.__doc__ or "").strip()
+        desc = description or (doc.splitlines()[0] if doc else "")
+        _STAGES[kind] = StageSpec(kind, config_cls, fn, desc, restore)
         return fn
 
     return deco

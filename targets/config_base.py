@@ -29,7 +29,7 @@ class Strict(BaseModel):
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise PydanticCustomError(
                     "unknown_key",
-                    "unknown key {key!r}{hint}; allowed keys: {allowed}",
-                    {"key": key, "hint": hint, "allowed": ", ".join(sorted(allowed))},
+                    "unknown key {key}{hint}; allowed keys: {allowed}",
+                    {"key": repr(key), "unknown": str(key), "hint": hint, "allowed": ", ".join(sorted(allowed))},
                 )
         return data

@@ -89,5 +89,8 @@ def load_target(name_or_path: str | Path) -> TargetProfile:
     try:
         return TargetProfile.model_validate(data)
     except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        lines = []
+        for e in exc.errors(include_url=False):
+            loc = [str(p) for p in e["loc"]] + ([e["ctx"]["unknown"]] if e["type"] == "unknown_key" else [])
+            lines.append(f"  {'.'.join(loc) or '<root>'}: {e['msg']}")
         raise TargetError(f"target profile {path} is invalid:\n" + "\n".join(lines)) from None

@@ -1,0 +1,109 @@
+"""Perplexity, top-1 agreement and KL divergence against the baseline, in one pass.
+
+Perplexity follows the project's reference method: non-overlapping windows, no cache
+between windows, summed NLL over every target, ``exp(mean)``. Agreement and KL compare each
+position's next-token distribution with the baseline's, which is stored once (fp16
+log-probabilities) when the baseline is measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from export.runtime import Runner
+
+
+@dataclass
+class BaselineLogits:
+    """The baseline's log-probabilities per window (fp16 to halve memory) and argmax ids."""
+
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+    top1: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class AccuracyResult:
+    perplexity: float
+    nll: float
+    tokens: int
+    top1_agreement: float | None = None
+    kl_divergence: float | None = None
+    #: positions where the runner's argmax equals the target token (plain accuracy)
+    next_token_accuracy: float | None = None
+
+
+def eval_windows(eval_ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    """Windows of ``seq_len + 1`` ids (inputs plus the shifted targets), non-overlapping."""
+    n_targets = int(eval_ids.numel()) - 1
+    out = []
+    for start in range(0, n_targets, seq_len):
+        w = eval_ids[start : min(start + seq_len, n_targets) + 1]
+        if w.numel() >= 2:
+            out.append(w)
+    return out
+
+
+def evaluate(
+    runner: Runner,
+    windows: list[torch.Tensor],
+    baseline: BaselineLogits | None = None,
+    *,
+    keep: BaselineLogits | None = None,
+    desc: str = "eval",
+) -> AccuracyResult:
+    """Score ``windows`` through ``runner``. With ``baseline``, also agreement and KL.
+    With ``keep``, store this runner's log-probs there (to become the baseline)."""
+    total_nll = 0.0
+    total = 0
+    agree = 0
+    correct = 0
+    kl_sum = 0.0
+    for i, w in enumerate(tqdm(windows, desc=desc, leave=False, unit="win")):
+        inputs, targets = w[:-1], w[1:]
+        runner.reset()
+        logits = runner.forward(inputs, all_logits=True).float()
+        if logits.shape[0] != targets.numel():
+            raise RuntimeError(f"{runner.runtime} returned {logits.shape[0]} positions for {targets.numel()} inputs")
+        logp = F.log_softmax(logits, dim=-1)
+        total_nll += float(-logp.gather(1, targets.view(-1, 1)).sum())
+        total += targets.numel()
+        top = logits.argmax(-1)
+        correct += int((top == targets).sum())
+        if baseline is not None:
+            base_lp = baseline.logprobs[i].float()
+            agree += int((top == baseline.top1[i]).sum())
+            # KL(baseline || runner), per position, in nats
+            kl_sum += float((base_lp.exp() * (base_lp - logp)).sum())
+        if keep is not None:
+            keep.logprobs.append(logp.to(torch.float16))
+            keep.top1.append(top)
+    mean_nll = total_nll / max(total, 1)
+    return AccuracyResult(
+        perplexity=math.exp(mean_nll),
+        nll=mean_nll,
+        tokens=total,
+        top1_agreement=(agree / total) if baseline is not None else None,
+        kl_divergence=(kl_sum / total) if baseline is not None else None,
+        next_token_accuracy=correct / max(total, 1),
+    )
+
+
+def parity(reference: Runner, test: Runner, windows: list[torch.Tensor]) -> dict:
+    """Max abs logit difference and top-1 agreement of ``test`` against ``reference``."""
+    max_diff = 0.0
+    agree = 0
+    total = 0
+    for w in windows:
+        reference.reset()
+        test.reset()
+        a = reference.forward(w, all_logits=True).float()
+        b = test.forward(w, all_logits=True).float()
+        max_diff = max(max_diff, float((a - b).abs().max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    return {"max_abs_diff": max_diff, "top1_agreement": agree / max(total, 1), "tokens": total}

@@ -1,0 +1,186 @@
+"""``optimize`` command line: each command is a thin layer over a typed API function.
+
+    optimize pipeline model.yaml [--target executorch] [key=value ...]
+    optimize validate model.yaml [key=value ...]
+    optimize schema [--report]
+    optimize ls stages|targets
+    optimize run model.pte --prompt "..."
+    optimize train recipe.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+
+def _quiet_third_party() -> None:
+    """Drop known-harmless noise: torchao's CUDA-extension load failures on CPU, pytree notes."""
+    warnings.filterwarnings("ignore", message=".*Enum subclass.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+    class _DropNoise(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            msg = record.getMessage()
+            return not (msg.startswith("Failed to load") and ".so" in msg) and "Enum subclass" not in msg
+
+    for name in ("torchao", "torch.utils._pytree", "root", ""):
+        logging.getLogger(name).addFilter(_DropNoise())
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_pipeline(args) -> int:
+    from optimize.config import load_config
+    from optimize.pipeline import run_pipeline
+    from optimize.report import markdown_table
+
+    cfg = load_config(args.config, args.overrides, target=args.target)
+    report = run_pipeline(cfg, output_dir=args.output, say=_say)
+    print(markdown_table(report))
+    if report.ok:
+        print(f"\nok: all gates passed · report in {report.output_dir}")
+    else:
+        print(f"\nSTOPPED at {report.stopped_at} · last good model: {report.last_good_artifact} · report in {report.output_dir}")
+    return report.exit_code
+
+
+def cmd_validate(args) -> int:
+    from optimize.config import load_config
+
+    cfg = load_config(args.config, args.overrides, target=args.target)
+    stages = ", ".join(s.label(i) for i, s in enumerate(cfg.stages)) or "none"
+    print(f"{args.config}: valid (version {cfg.version}; model {cfg.model.source}; stages: {stages}; target: {cfg.target})")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    if args.report:
+        from optimize.report import report_json_schema
+
+        print(json.dumps(report_json_schema(), indent=2))
+    else:
+        from optimize.config import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_ls(args) -> int:
+    if args.what == "stages":
+        from optimize.stage_api import registered_stages
+
+        specs = registered_stages()
+        width = max((len(k) for k in specs), default=0)
+        for kind, spec in specs.items():
+            print(f"{kind:<{width}}  {spec.description}")
+    else:
+        from targets import list_targets
+
+        for t in list_targets():
+            print(f"{t.name:<12} exporter={t.exporter} backend={t.backend} max_seq_len={t.max_seq_len} "
+                  f"schemes={','.join(t.allowed_schemes)}\n{'':<12} {t.description}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from optimize.generate import generate_from_artifact
+
+    generate_from_artifact(Path(args.artifact), args.prompt, max_new_tokens=args.max_new_tokens,
+                           chat=args.chat, threads=args.threads, stream=sys.stdout)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from train.api import run_training
+    from train.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    report = run_training(recipe)
+    print(json.dumps(report.model_dump(mode="json") if hasattr(report, "model_dump") else report, indent=2, default=str))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="optimize", description="Optimize causal LMs and export them, verified, to edge runtimes.")
+    p.add_argument("-v", "--verbose", action="store_true", help="show library logs and tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("pipeline", help="run the stages in a pipeline YAML, with checks, gates and a report")
+    s.add_argument("config", help="pipeline YAML")
+    s.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. stages.0.group_size=64")
+    s.add_argument("--target", help="target profile (see `optimize ls targets`); overrides the YAML's target")
+    s.add_argument("--output", help="output directory (default: the YAML's output_dir or runs/<name>)")
+    s.set_defaults(fn=cmd_pipeline)
+
+    s = sub.add_parser("validate", help="check a pipeline YAML without running it")
+    s.add_argument("config")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--target")
+    s.set_defaults(fn=cmd_validate)
+
+    s = sub.add_parser("schema", help="print the JSON Schema of the pipeline YAML (or of the report)")
+    s.add_argument("--report", action="store_true", help="the report.json schema instead")
+    s.set_defaults(fn=cmd_schema)
+
+    s = sub.add_parser("ls", help="list registered stages or target profiles")
+    s.add_argument("what", choices=["stages", "targets"])
+    s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("run", help="generate text from an exported artifact (.pte, .onnx)", aliases=["generate"])
+    s.add_argument("artifact")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    s.add_argument("--threads", type=int, default=None)
+    s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("train", help="run a training recipe (LoRA/QLoRA, FSDP2 under torchrun, ...)")
+    s.add_argument("recipe")
+    s.add_argument("overrides", nargs="*")
+    s.set_defaults(fn=cmd_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        _quiet_third_party()
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from optimize.errors import ConfigError
+
+    known: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError)
+    try:
+        from export.base import ExportError
+        from export.runtime import RunnerError
+        from targets import TargetError
+        from train.corpus import CorpusError
+        from train.sources import ModelSourceError
+
+        known += (ExportError, RunnerError, TargetError, CorpusError, ModelSourceError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        return args.fn(args)
+    except known as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The pipeline YAML, as pydantic v2 models written out in code.
+
+Every block is a :class:`Strict` model (unknown keys are errors listing the allowed keys);
+stages are a discriminated union on ``kind`` built from the stage registry; model sources
+a union on ``source``. :func:`load_config` reports every problem with its YAML path.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, Sequence, Union
+
+import yaml
+from pydantic import Field, ValidationError, create_model
+
+from optimize.errors import ConfigError, problems_from
+from optimize.gates_config import GatesConfig
+from optimize.overrides import OverrideError, apply_overrides
+from optimize.stage_api import StageConfig, registered_stages
+from targets.config_base import Strict
+from train.sources import BundledSource, GGUFSource, HFSource, ModelSource, RandomSource
+
+CONFIG_VERSION = 1
+
+
+class DataConfig(Strict):
+    """Real text for evaluation and calibration; the two spans never overlap."""
+
+    corpus: str = Field("pydoc", description="'pydoc' (CPython's bundled docs), a text file or a directory")
+    eval_tokens: int = Field(4096, ge=16, description="tokens every accuracy figure rests on")
+    calibration_tokens: int = Field(2048, ge=0, description="tokens for calibration, taken after the eval span")
+    seq_len: int = Field(512, ge=8, description="window length for perplexity (non-overlapping, no cache)")
+
+
+class LatencyConfig(Strict):
+    enabled: bool = Field(True, description="measure prefill and decode latency")
+    prompt_tokens: int = Field(128, ge=1, description="prompt length for the prefill measurement")
+    decode_tokens: int = Field(32, ge=1, description="tokens generated for the decode measurement")
+    runs: int = Field(3, ge=1, description="timed runs; the median is reported")
+    warmup: int = Field(1, ge=0, description="untimed runs first")
+    threads: int = Field(2, ge=1, description="torch / runtime threads while timing")
+    eager_quantized: bool = Field(
+        False,
+        description="also time eager torchao-quantized models (slow on CPU and not what ships; "
+        "with a target, the exported artifact is timed instead)",
+    )
+
+
+class ChecksConfig(Strict):
+    accuracy: bool = Field(True, description="perplexity, top-1 agreement and KL against the baseline")
+    latency: LatencyConfig = Field(default_factory=LatencyConfig)
+    generate_tokens: int = Field(16, ge=0, description="greedy tokens compared between eager and the export")
+
+
+class PipelineConfigBase(Strict):
+    version: Literal[1] = Field(description="config schema version; this release reads 1")
+    name: str = Field("pipeline", min_length=1, description="run name; the default output dir is runs/<name>")
+    model: ModelSource
+    data: DataConfig = Field(default_factory=DataConfig)
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    gates: GatesConfig = Field(default_factory=GatesConfig, description="pipeline-wide gates; stages may override")
+    target: str | None = Field(None, description="target profile name (optimize ls targets) or a profile YAML path")
+    export: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="options per exporter, e.g. export.executorch.group_size"
+    )
+    output_dir: Path | None = Field(None, description="where artifacts and the report go (default runs/<name>)")
+    seed: int = Field(0, description="seed for anything random in stages")
+    resume: bool = Field(True, description="reuse finished stages of an earlier run of the same config")
+
+    stages: list[StageConfig] = Field(default_factory=list)
+
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+
+
+@functools.lru_cache(maxsize=None)
+def _pipeline_model() -> type[PipelineConfigBase]:
+    specs = registered_stages()
+    classes = tuple(s.config_cls for s in specs.values())
+    if len(classes) == 1:
+        stage_type: Any = classes[0]
+    else:
+        stage_type = Annotated[Union[classes], Field(discriminator="kind")]  # type: ignore[valid-type]
+    return create_model(
+        "PipelineConfig",
+        __base__=PipelineConfigBase,
+        stages=(list[stage_type], Field(default_factory=list, description="stages, run in order")),
+    )
+
+
+def __getattr__(name: str):
+    if name == "PipelineConfig":
+        return _pipeline_model()
+    raise AttributeError(name)
+
+
+def json_schema() -> dict:
+    return _pipeline_model().model_json_schema()
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), [("", f"config file not found: {path}")])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [("", f"not valid YAML: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), [("", "the top level must be a mapping of keys")])
+    return data
+
+
+def load_config(
+    source: str | Path | dict, overrides: Sequence[str] = (), *, target: str | None = None, check_files: bool = True
+) -> PipelineConfigBase:
+    """Read, override, validate and semantically check a pipeline config.
+
+    ``source`` is a YAML path or an already-parsed dict. ``target`` (from ``--target``)
+    replaces the config's target. Raises :class:`ConfigError` listing every problem.
+    """
+    label = str(source) if not isinstance(source, dict) else "<config>"
+    data = read_yaml(source) if not isinstance(source, dict) else json.loads(json.dumps(source, default=str))
+    try:
+        apply_overrides(data, overrides)
+    except OverrideError as exc:
+        raise ConfigError(label, [("", str(exc))]) from None
+    if target is not None:
+        data["target"] = target
+    if isinstance(source, (str, Path)):
+        _resolve_relative_paths(data, Path(source).parent)
+    try:
+        cfg = _pipeline_model().model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(label, problems_from(exc, data)) from None
+    problems = semantic_problems(cfg, check_files=check_files)
+    if problems:
+        raise ConfigError(label, problems)
+    return cfg
+
+
+def _resolve_relative_paths(data: dict, base: Path) -> None:
+    """Paths in a YAML file are relative to that file, not to the shell's directory."""
+    model = data.get("model")
+    if isinstance(model, dict) and isinstance(model.get("path"), str) and not Path(model["path"]).is_absolute():
+        model["path"] = str((base / model["path"]).resolve())
+    d = data.get("data")
+    if isinstance(d, dict) and isinstance(d.get("corpus"), str) and d["corpus"] != "pydoc":
+        if not Path(d["corpus"]).is_absolute():
+            d["corpus"] = str((base / d["corpus"]).resolve())
+
+
+def semantic_problems(cfg: PipelineConfigBase, check_files: bool = True) -> list[tuple[str, str]]:
+    """Checks that need more than types: files exist, stages suit the target, export options."""
+    from export.base import exporter_names, get_exporter
+    from targets import TargetError, load_target
+
+    problems: list[tuple[str, str]] = []
+    src = cfg.model
+    if check_files and isinstance(src, (HFSource, GGUFSource)) and not Path(src.path).exists():
+        problems.append(("model.path", f"not found: {src.path}"))
+    if check_files and isinstance(src, GGUFSource) and Path(src.path).is_dir():
+        problems.append(("model.path", f"{src.path} is a directory; a gguf source takes a .gguf file (use source: hf for a directory)"))
+    if check_files and cfg.data.corpus != "pydoc" and not Path(cfg.data.corpus).exists():
+        problems.append(("data.corpus", f"not found: {cfg.data.corpus} (use 'pydoc', a text file or a directory)"))
+
+    profile = None
+    if cfg.target is not None:
+        try:
+            profile = load_target(cfg.target)
+        except TargetError as exc:
+            problems.append(("target", str(exc)))
+    if profile is not None:
+        for i, stage in enumerate(cfg.stages):
+            scheme = stage.quant_scheme()
+            if scheme is not None:
+                why = profile.check_scheme(scheme)
+                if why:
+                    problems.append((f"stages.{i}", f"stage {stage.label(i)!r}: {why}"))
+
+    for name, options in cfg.export.items():
+        if name not in exporter_names():
+            problems.append((f"export.{name}", f"unknown exporter; available: {', '.join(exporter_names())}"))
+            continue
+        merged = dict(profile.export_options) if profile is not None and profile.exporter == name else {}
+        merged.update(options)
+        try:
+            get_exporter(name).options_model.model_validate(merged)
+        except ValidationError as exc:
+            problems.extend(problems_from(exc, merged, prefix=f"export.{name}"))
+        except ImportError as exc:
+            problems.append((f"export.{name}", f"exporter cannot load: {exc}"))
+    return problems
+
+
+def export_options(cfg: PipelineConfigBase, exporter_name: str, profile) -> Any:
+    """The exporter's validated options: target defaults, then the YAML's export block."""
+    from export.base import get_exporter
+
+    merged = dict(profile.export_options) if profile is not None else {}
+    merged.update(cfg.export.get(exporter_name, {}))
+    return get_exporter(exporter_name).options_model.model_validate(merged)
+
+
+def dump_config(cfg: PipelineConfigBase) -> dict:
+    """JSON-safe dict of the validated config (for reports and hashing)."""
+    return json.loads(cfg.model_dump_json())
+
+
+__all__ = [
+    "CONFIG_VERSION",
+    "BundledSource",
+    "ChecksConfig",
+    "ConfigError",
+    "DataConfig",
+    "GGUFSource",
+    "HFSource",
+    "LatencyConfig",
+    "PipelineConfigBase",
+    "RandomSource",
+    "dump_config",
+    "json_schema",
+    "load_config",
+]

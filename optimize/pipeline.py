@@ -1,0 +1,346 @@
+"""The pipeline runner: baseline → stages (each checked and gated) → export (verified in its
+runtime) → report. Stages only transform; everything else happens here.
+
+``run_pipeline`` never loses work: each finished stage is checkpointed (see
+:mod:`optimize.checkpoints`), a failed gate or a crash in a stage stops the run with the
+last good model kept and the report written, and a re-run resumes after the last finished
+stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from export.runtime import EagerRunner, Runner, greedy_generate
+from optimize import checkpoints as ckpt
+from optimize.checks.accuracy import BaselineLogits, evaluate, eval_windows, parity
+from optimize.checks.latency import measure_latency, torch_threads
+from optimize.checks.size import parameter_count, serialized_bytes
+from optimize.config import PipelineConfigBase, dump_config, export_options, load_config
+from optimize.gates import evaluate_gates
+from optimize.gates_config import GatesConfig, MetricGoal
+from optimize.report import Metrics, Report, StageRow, write_report
+from optimize.stage_api import StageContext, get_stage
+
+log = logging.getLogger("optimize")
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class _RunState:
+    cfg: PipelineConfigBase
+    run_dir: Path
+    profile: Any
+    tokenizer: Any
+    eval_windows: list[torch.Tensor]
+    calibration: list[torch.Tensor]
+    train_ids: torch.Tensor
+    prompt: torch.Tensor
+    baseline_logits: BaselineLogits = field(default_factory=BaselineLogits)
+    baseline_metrics: Metrics | None = None
+    quantized: bool = False
+    say: Callable[[str], None] = print
+
+
+def run_pipeline(
+    config: PipelineConfigBase | str | Path,
+    *,
+    target: str | None = None,
+    overrides: tuple[str, ...] = (),
+    output_dir: str | Path | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Report:
+    """Run a pipeline and return its typed report (also written to ``<run>/report.*``).
+
+    ``config`` is a validated config or a YAML path; ``target`` overrides the config's
+    target. The report's ``ok`` is False when a gate with ``on_fail: stop`` failed or a
+    stage raised; the CLI turns that into a non-zero exit code.
+    """
+    if not isinstance(config, PipelineConfigBase):
+        config = load_config(config, overrides, target=target)
+    elif target is not None and target != config.target:
+        config = load_config(dump_config(config) | {"target": target})
+    cfg = config
+    say = say or (lambda msg: print(msg, file=sys.stderr))
+    run_dir = Path(output_dir) if output_dir else cfg.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    report = Report(name=cfg.name, target=cfg.target, config=dump_config(cfg), environment=environment(),
+                    output_dir=str(run_dir))
+    try:
+        _run(cfg, run_dir, report, say)
+    finally:
+        report.wall_s = time.perf_counter() - started
+        paths = write_report(report, run_dir)
+        say(f"report: {paths['md']}")
+    return report
+
+
+def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
+    from targets import load_target
+    from train.corpus import load_text, split_corpus, tokenize
+    from train.sources import load_model
+
+    torch.manual_seed(cfg.seed)
+    profile = load_target(cfg.target) if cfg.target else None
+    config_dump = dump_config(cfg)
+
+    say(f"loading model ({cfg.model.source})")
+    loaded = load_model(cfg.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
+
+    ids = tokenize(load_text(cfg.data.corpus), tokenizer)
+    splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=cfg.data.calibration_tokens,
+                          corpus=cfg.data.corpus)
+    report.data = splits.describe()
+    seq_len = cfg.data.seq_len
+    if profile is not None and seq_len > profile.max_seq_len:
+        say(f"data.seq_len {seq_len} exceeds target max_seq_len {profile.max_seq_len}; using {profile.max_seq_len}")
+        seq_len = profile.max_seq_len
+    lat = cfg.checks.latency
+    state = _RunState(
+        cfg=cfg, run_dir=run_dir, profile=profile, tokenizer=tokenizer,
+        eval_windows=eval_windows(splits.eval_ids, seq_len),
+        calibration=[w for w in _calib_windows(splits.calib_ids, seq_len)],
+        train_ids=splits.train_ids,
+        prompt=splits.train_ids[: lat.prompt_tokens] if splits.train_ids.numel() >= lat.prompt_tokens else splits.eval_ids[: lat.prompt_tokens],
+        say=say,
+    )
+
+    # ---- baseline
+    t0 = time.perf_counter()
+    base_row = StageRow(index=-1, name="baseline", kind="baseline", details={"source": loaded.description})
+    base_row.metrics = _measure_eager(state, model, keep_baseline=True, timed=True)
+    base_row.wall_s = time.perf_counter() - t0
+    state.baseline_metrics = base_row.metrics
+    report.rows.append(base_row)
+    report.last_good_artifact = str(loaded.local_dir) if loaded.local_dir else None
+    baseline_model = copy.deepcopy(model)
+
+    # ---- stages (resume from the longest finished prefix)
+    digests = [ckpt.prefix_hash(config_dump, i) for i in range(len(cfg.stages))]
+    dirs = [ckpt.stage_dir(run_dir, i, s.kind, d) for i, (s, d) in enumerate(zip(cfg.stages, digests))]
+    done = 0
+    if cfg.resume:
+        while done < len(dirs) and ckpt.is_complete(dirs[done]):
+            done += 1
+    if done:
+        restores = _restores(cfg, done)
+        model, _ = ckpt.load_stage(dirs[done - 1], restores)
+        for i in range(done):
+            row = StageRow.model_validate(ckpt.load_stage_row(dirs[i]))
+            row.status = "resumed" if row.status == "pass" else row.status
+            report.rows.append(row)
+        report.last_good_artifact = str(dirs[done - 1])
+        state.quantized = any(s.quant_scheme() for s in cfg.stages[:done])
+        say(f"resuming: stage{'s' if done > 1 else ''} 0..{done - 1} finished in an earlier run "
+            f"({dirs[done - 1].name}); starting at stage {done}" if done < len(dirs) else
+            f"resuming: all {done} stages finished in an earlier run")
+
+    bar = tqdm(total=len(cfg.stages), initial=done, desc="stages", unit="stage", file=sys.stderr)
+    for i in range(done, len(cfg.stages)):
+        stage_cfg = cfg.stages[i]
+        spec = get_stage(stage_cfg.kind)
+        label = stage_cfg.label(i)
+        bar.set_postfix_str(label)
+        say(f"stage {label}: {spec.description}")
+        row = StageRow(index=i, name=label, kind=stage_cfg.kind)
+        t0 = time.perf_counter()
+        ctx = StageContext(tokenizer=tokenizer, calibration=state.calibration, train_ids=state.train_ids,
+                           target=profile, work_dir=run_dir / "work" / f"{i:02d}-{stage_cfg.kind}", seed=cfg.seed,
+                           baseline_model=baseline_model, log=say)
+        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            torch.manual_seed(cfg.seed + i + 1)
+            model = spec.fn(model, stage_cfg, ctx)
+            if model is None:
+                raise RuntimeError(f"stage {stage_cfg.kind!r} returned None instead of the model")
+            model.eval()
+            state.quantized = state.quantized or stage_cfg.quant_scheme() is not None
+            row.details = ctx.details
+            row.metrics = _measure_eager(state, model, timed=not state.quantized or state.profile is None
+                                         or cfg.checks.latency.eager_quantized)
+        except Exception as exc:  # a broken stage stops the run; earlier work is kept
+            row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
+            row.wall_s = time.perf_counter() - t0
+            report.rows.append(row)
+            report.ok, report.stopped_at = False, label
+            log.exception("stage %s failed", label)
+            say(f"stage {label} failed: {row.error}; last good model kept at {report.last_good_artifact}")
+            bar.close()
+            return
+        gates = cfg.gates.merged_with(stage_cfg.gates)
+        row.gates = evaluate_gates(gates, row.metrics, state.baseline_metrics)
+        row.status = _status(row.gates, gates)
+        row.wall_s = time.perf_counter() - t0
+        report.rows.append(row)
+        if row.status == "fail":
+            report.ok, report.stopped_at = False, label
+            say(f"stage {label} failed its gates: " + "; ".join(g.message for g in row.gates if not g.ok))
+            bar.close()
+            return
+        row.artifact = str(dirs[i])
+        ckpt.save_stage(dirs[i], model, row.model_dump(mode="json"), stage_cfg.model_dump(mode="json"))
+        report.last_good_artifact = str(dirs[i])
+        bar.update(1)
+    bar.close()
+
+    if profile is not None:
+        _export(state, model, report)
+
+
+def _calib_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
+    from train.corpus import windows
+
+    return windows(ids, seq_len) if ids.numel() >= 2 else []
+
+
+def _restores(cfg: PipelineConfigBase, upto: int) -> list[Callable[[torch.nn.Module], None]]:
+    out = []
+    for stage_cfg in cfg.stages[:upto]:
+        spec = get_stage(stage_cfg.kind)
+        if spec.restore is not None:
+            out.append(lambda m, s=spec, c=stage_cfg: s.restore(m, c))
+    return out
+
+
+def _status(results, gates: GatesConfig) -> str:
+    if all(g.ok for g in results):
+        return "pass"
+    return "warn" if gates.on_fail == "warn" else "fail"
+
+
+def _measure_eager(state: _RunState, model: torch.nn.Module, *, keep_baseline: bool = False, timed: bool = True) -> Metrics:
+    cfg = state.cfg
+    runner = EagerRunner(model)
+    m = Metrics(params=parameter_count(model), size_mb=serialized_bytes(model) / MIB)
+    if cfg.checks.accuracy:
+        with torch_threads(cfg.checks.latency.threads):
+            acc = evaluate(runner, state.eval_windows, None if keep_baseline else state.baseline_logits,
+                           keep=state.baseline_logits if keep_baseline else None,
+                           desc="baseline" if keep_baseline else "eval")
+        m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
+        m.top1_agreement = 1.0 if keep_baseline else acc.top1_agreement
+        m.kl_divergence = 0.0 if keep_baseline else acc.kl_divergence
+        if state.baseline_metrics is not None and state.baseline_metrics.perplexity:
+            m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
+        elif keep_baseline:
+            m.perplexity_delta_pct = 0.0
+    lat = cfg.checks.latency
+    if lat.enabled and timed:
+        _fill_latency(m, runner, state)
+    return m
+
+
+def _fill_latency(m: Metrics, runner: Runner, state: _RunState) -> None:
+    lat = state.cfg.checks.latency
+    res = measure_latency(runner, state.prompt, lat.decode_tokens, runs=lat.runs, warmup=lat.warmup, threads=lat.threads)
+    m.prefill_ms, m.prefill_tokens = res["prefill_ms"], res["prefill_tokens"]
+    m.decode_tok_s, m.decode_tokens = res["decode_tok_s"], res["decode_tokens"]
+
+
+def _export(state: _RunState, model: torch.nn.Module, report: Report) -> None:
+    from export.base import get_exporter
+
+    cfg, profile = state.cfg, state.profile
+    exporter = get_exporter(profile.exporter)
+    options = export_options(cfg, profile.exporter, profile)
+    out_dir = state.run_dir / "export" / profile.name
+    label = f"export:{profile.name}"
+    row = StageRow(index=len(cfg.stages), name=label, kind=label, runtime=profile.exporter)
+    t0 = time.perf_counter()
+    state.say(f"exporting to {profile.name} ({profile.backend}) in {out_dir}")
+    try:
+        result = exporter.export(model, state.tokenizer, out_dir, options, calibration=state.calibration, log=state.say)
+        runner = exporter.load(result.artifact)
+        row.artifact = str(result.artifact)
+        row.details = dict(result.details)
+        m = Metrics(params=parameter_count(model))
+        size = runner.size_bytes()
+        m.size_mb = size / MIB if size is not None else None
+        row.details["runtime"] = runner.describe()
+        eager = EagerRunner(model)
+        with torch_threads(cfg.checks.latency.threads):
+            if cfg.checks.accuracy:
+                acc = evaluate(runner, state.eval_windows, state.baseline_logits, desc=profile.name)
+                m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
+                m.top1_agreement, m.kl_divergence = acc.top1_agreement, acc.kl_divergence
+                m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
+                row.details["parity_vs_eager"] = parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
+            if cfg.checks.generate_tokens:
+                row.details["greedy"] = _greedy_compare(eager, runner, state)
+        if cfg.checks.latency.enabled:
+            _fill_latency(m, runner, state)
+        row.metrics = m
+        runner.close()
+    except Exception as exc:
+        row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
+        row.wall_s = time.perf_counter() - t0
+        report.rows.append(row)
+        report.ok, report.stopped_at = False, label
+        log.exception("export failed")
+        state.say(f"{label} failed: {row.error}; last good model kept at {report.last_good_artifact}")
+        return
+    gates = cfg.gates.merged_with(_budget_gates(profile))
+    row.gates = evaluate_gates(gates, row.metrics, state.baseline_metrics)
+    row.status = _status(row.gates, gates)
+    row.wall_s = time.perf_counter() - t0
+    report.rows.append(row)
+    if row.status == "fail":
+        report.ok, report.stopped_at = False, label
+        state.say(f"{label} failed its gates: " + "; ".join(g.message for g in row.gates if not g.ok))
+    else:
+        report.last_good_artifact = str(result.artifact)
+
+
+def _greedy_compare(eager: Runner, runner: Runner, state: _RunState) -> dict:
+    n = state.cfg.checks.generate_tokens
+    prompt = state.prompt[: min(32, state.prompt.numel())]
+    ref = greedy_generate(eager, prompt, n)
+    got = greedy_generate(runner, prompt, n)
+    diverged = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    if diverged is None and len(ref) != len(got):
+        diverged = min(len(ref), len(got))
+    return {
+        "tokens": n,
+        "match": diverged is None,
+        "diverged_at": diverged,
+        "eager_text": state.tokenizer.decode(ref),
+        "runtime_text": state.tokenizer.decode(got),
+    }
+
+
+def _budget_gates(profile) -> GatesConfig | None:
+    b = profile.budgets
+    goals = {}
+    if b.size_mb is not None:
+        goals["size_mb"] = MetricGoal(threshold=b.size_mb)
+    if b.prefill_ms is not None:
+        goals["prefill_ms"] = MetricGoal(threshold=b.prefill_ms)
+    if b.decode_tok_s is not None:
+        goals["decode_tok_s"] = MetricGoal(threshold=b.decode_tok_s)
+    return GatesConfig(**goals) if goals else None
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "transformers", "torchao", "executorch", "onnx", "onnxruntime", "peft"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+            "torch_threads": torch.get_num_threads(), "versions": versions}

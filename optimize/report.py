@@ -1,0 +1,169 @@
+"""The run report: typed (pydantic, versioned schema), written as JSON, Markdown and a PNG.
+
+``report.json`` is the machine-readable record MLOps pipelines consume; ``report.md`` is the
+table people read; ``report.png`` plots accuracy against size and latency per stage.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from export.atomic import atomic_path, atomic_write_json, atomic_write_text
+
+REPORT_SCHEMA_VERSION = "1.0"
+
+
+class Metrics(BaseModel):
+    perplexity: float | None = None
+    perplexity_delta_pct: float | None = Field(None, description="vs the baseline, percent")
+    top1_agreement: float | None = Field(None, description="fraction of positions whose argmax matches the baseline's")
+    kl_divergence: float | None = Field(None, description="mean KL(baseline || this), nats per token")
+    eval_tokens: int | None = Field(None, description="tokens the accuracy figures rest on")
+    params: int | None = None
+    size_mb: float | None = Field(None, description="serialized model or artifact size, MiB")
+    prefill_ms: float | None = None
+    prefill_tokens: int | None = None
+    decode_tok_s: float | None = None
+    decode_tokens: int | None = None
+
+
+class GateResult(BaseModel):
+    metric: str
+    goal: dict[str, Any]
+    value: float | None
+    baseline: float | None
+    ok: bool
+    message: str
+
+
+class StageRow(BaseModel):
+    index: int = Field(description="-1 for the baseline; export rows follow the stages")
+    name: str
+    kind: str
+    runtime: str = "eager"
+    status: Literal["pass", "warn", "fail", "error", "resumed"] = "pass"
+    metrics: Metrics = Field(default_factory=Metrics)
+    gates: list[GateResult] = Field(default_factory=list)
+    wall_s: float = 0.0
+    artifact: str | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class Report(BaseModel):
+    schema_version: str = REPORT_SCHEMA_VERSION
+    name: str
+    ok: bool = True
+    stopped_at: str | None = Field(None, description="the stage whose gate or error stopped the run")
+    last_good_artifact: str | None = None
+    target: str | None = None
+    rows: list[StageRow] = Field(default_factory=list)
+    data: dict[str, Any] = Field(default_factory=dict, description="corpus and the token spans used")
+    config: dict[str, Any] = Field(default_factory=dict)
+    environment: dict[str, Any] = Field(default_factory=dict)
+    output_dir: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def row(self, name: str) -> StageRow:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(f"no row named {name!r}; rows: {', '.join(r.name for r in self.rows)}")
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return format(v, spec)
+
+
+def markdown_table(report: Report) -> str:
+    head = ("| stage | runtime | perplexity | Δ ppl | top-1 agree | KL | size MiB | prefill ms | decode tok/s | wall s | status |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    lines = [head]
+    for r in report.rows:
+        m = r.metrics
+        delta = f"{m.perplexity_delta_pct:+.2f}%" if m.perplexity_delta_pct is not None else "–"
+        agree = f"{100 * m.top1_agreement:.1f}%" if m.top1_agreement is not None else "–"
+        lines.append(
+            f"| {r.name} | {r.runtime} | {_fmt(m.perplexity, '.3f')} | {delta} | {agree} | {_fmt(m.kl_divergence, '.4f')} "
+            f"| {_fmt(m.size_mb, '.1f')} | {_fmt(m.prefill_ms, '.1f')} | {_fmt(m.decode_tok_s, '.1f')} | {r.wall_s:.1f} | {r.status} |"
+        )
+    return "\n".join(lines)
+
+
+def render_markdown(report: Report) -> str:
+    out = [f"# Pipeline report: {report.name}", ""]
+    verdict = "all gates passed" if report.ok else f"STOPPED at {report.stopped_at}"
+    out += [f"Result: **{verdict}**" + (f" · target `{report.target}`" if report.target else ""), ""]
+    out += [markdown_table(report), ""]
+    eval_tokens = next((r.metrics.eval_tokens for r in report.rows if r.metrics.eval_tokens), None)
+    if report.data:
+        spans = {k: v for k, v in report.data.items() if isinstance(v, dict)}
+        span_txt = "; ".join(f"{k} tokens [{v['start']}, {v['stop']})" for k, v in spans.items())
+        out += [f"Text: `{report.data.get('corpus')}` ({span_txt}). Accuracy figures rest on {eval_tokens} tokens.", ""]
+    gate_lines = [f"- {r.name}: {'ok' if g.ok else 'FAILED'} — {g.message}" for r in report.rows for g in r.gates]
+    if gate_lines:
+        out += ["## Gates", *gate_lines, ""]
+    errors = [f"- {r.name}: {r.error}" for r in report.rows if r.error]
+    if errors:
+        out += ["## Errors", *errors, ""]
+    if report.last_good_artifact:
+        out += [f"Last good model: `{report.last_good_artifact}`", ""]
+    return "\n".join(out)
+
+
+def render_plot(report: Report, path: Path) -> Path | None:
+    """Perplexity against size and against decode speed, one point per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.rows if r.metrics.perplexity is not None]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, attr, label in ((axes[0], "size_mb", "size (MiB)"), (axes[1], "decode_tok_s", "decode (tokens/s)")):
+        pts = [(getattr(r.metrics, attr), r.metrics.perplexity, r) for r in rows if getattr(r.metrics, attr) is not None]
+        for x, y, r in pts:
+            color = "tab:red" if r.status in ("fail", "error") else ("tab:orange" if r.status == "warn" else "tab:blue")
+            ax.scatter([x], [y], color=color, zorder=3)
+            ax.annotate(f"{r.name} ({r.runtime})", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        if len(pts) > 1:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.7", lw=1, zorder=1)
+        ax.set_xlabel(label)
+        ax.set_ylabel("perplexity (lower is better)")
+        ax.grid(alpha=0.3)
+        if not pts:
+            ax.text(0.5, 0.5, f"no {label} measured", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"{report.name}: accuracy vs size and speed per stage")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: Report, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": atomic_write_json(out_dir / "report.json", report.model_dump(mode="json")),
+        "md": atomic_write_text(out_dir / "report.md", render_markdown(report)),
+    }
+    png = render_plot(report, out_dir / "report.png")
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def report_json_schema() -> dict:
+    return Report.model_json_schema()
