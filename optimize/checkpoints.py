@@ -74,7 +74,8 @@ def load_stage(path: Path, restores: list[Callable[[torch.nn.Module], None]]) ->
             f"checkpoint {path} does not fit its model: missing {sorted(set(missing) - tied)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
-    if missing:
+    if getattr(config, "tie_word_embeddings", False):
+        # assign=True leaves two Parameters sharing one storage; make them one Parameter again
         model.tie_weights()
     _materialize_buffers(model, config)
     model.eval()

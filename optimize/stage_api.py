@@ -112,9 +112,18 @@ def register_stage(
 
 
 def registered_stages() -> dict[str, StageSpec]:
-    """All stage kinds, after importing the built-in stage modules."""
+    """All stage kinds: the built-ins plus modules named in ``$OPTIMIZE_PLUGINS``
+    (comma-separated import paths of third-party stage modules)."""
+    import importlib
+    import os
+
     import optimize.stages  # noqa: F401  (registers the built-ins)
 
+    for module in filter(None, (m.strip() for m in os.environ.get("OPTIMIZE_PLUGINS", "").split(","))):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ImportError(f"OPTIMIZE_PLUGINS names {module!r}, which does not import: {exc}") from exc
     return dict(sorted(_STAGES.items()))
 
 

@@ -26,6 +26,12 @@ TINY_LLAMA = dict(
 )
 
 
+@pytest.fixture()
+def tiny_llama_config() -> dict:
+    """The tiny Llama's config as a dict (for RandomSource / pipeline YAML)."""
+    return dict(TINY_LLAMA)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_cache(tmp_path_factory):
     """Converted GGUF models are cached once per machine (like a user's ~/.cache)."""

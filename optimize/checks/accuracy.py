@@ -3,7 +3,9 @@
 Perplexity follows the project's reference method: non-overlapping windows, no cache
 between windows, summed NLL over every target, ``exp(mean)``. Agreement and KL compare each
 position's next-token distribution with the baseline's, which is stored once (fp16
-log-probabilities) when the baseline is measured.
+log-probabilities) when the baseline is measured. fp16 halves the memory (4096 positions of
+a 49k vocabulary take 400 MB) and puts a floor of about 1e-5 nats under the KL of an
+unchanged model, far below what any quantization scheme costs (1e-2 and up).
 """
 
 from __future__ import annotations

@@ -1,0 +1,262 @@
+"""Post-training int8 quantization with torchao: ``8da8w`` and ``8da4w`` for ExecuTorch/XNNPACK.
+
+Both schemes quantize activations dynamically (per token, asymmetric int8, computed at run
+time) and weights statically (symmetric, ``8da8w``: int8 per output channel; ``8da4w``: int4
+in groups along the input dimension). Nothing depends on data, so the stage needs no
+calibration text. These are the torchao layouts (``IntxUnpackedToInt8Tensor``) that
+ExecuTorch's XNNPACK partitioner recognises after ``torch.export``; int8 *weight-only* Linear
+is deliberately not offered (it lowers to wrong logits on XNNPACK, see the target profile).
+
+Why ``keep_high_precision`` defaults to ``["lm_head"]``: on SmolLM2-135M (tied embeddings)
+the output projection is the most sensitive matmul, and keeping it fp32 costs no extra
+bytes because it shares its weight with the fp32 embedding table; quantizing it un-ties
+the pair and *adds* an int8/int4 copy. See bench/ptq.py for the measured figures.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator, model_validator
+from torch import nn
+
+from optimize.stage_api import StageConfig, StageContext, register_stage
+from optimize.stages._select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
+
+#: XNNPACK's blockwise kernels need groups that are whole multiples of 32 input channels
+GROUP_MULTIPLE = 32
+DEFAULT_GROUP_SIZE = 32
+DEFAULT_EMBEDDING_GROUP_SIZE = 32
+
+
+class Ptq8Config(StageConfig):
+    kind: Literal["ptq_int8"] = "ptq_int8"
+    scheme: Literal["8da8w", "8da4w"] = Field(
+        "8da8w",
+        description="8da8w: dynamic int8 activations, int8 per-channel weights (near-lossless); "
+        "8da4w: dynamic int8 activations, int4 group-wise weights (smaller, lossier)",
+    )
+    group_size: int | None = Field(
+        None,
+        gt=0,
+        description=f"8da4w only: input channels per int4 weight group; a multiple of {GROUP_MULTIPLE} "
+        f"(XNNPACK) that divides every quantized layer's in_features; default {DEFAULT_GROUP_SIZE}",
+    )
+    keep_high_precision: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="module-name fnmatch patterns (or the shorthands 'lm_head', 'embeddings') left in "
+        "fp32; the default keeps the output projection, the most sensitive layer",
+    )
+    quantize_embedding: Literal["int8", "int4"] | None = Field(
+        None,
+        description="also quantize the input embedding table weight-only (int8 per row, or int4 in "
+        "groups of embedding_group_size); an ExecuTorch .pte then needs executorch.kernels.quantized",
+    )
+    embedding_group_size: int | None = Field(
+        None,
+        gt=0,
+        description=f"quantize_embedding=int4 only: columns per group, even and dividing the hidden "
+        f"size; default {DEFAULT_EMBEDDING_GROUP_SIZE}",
+    )
+    modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="fnmatch patterns restricting which nn.Linear layers are quantized (default: all, "
+        "minus keep_high_precision); for mixed precision",
+    )
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_multiple(cls, v: int | None) -> int | None:
+        if v is not None and v % GROUP_MULTIPLE:
+            ok = ", ".join(str(GROUP_MULTIPLE * k) for k in (1, 2, 4, 8))
+            raise ValueError(
+                f"group_size={v} is not a multiple of {GROUP_MULTIPLE}: XNNPACK's 4-bit kernels need "
+                f"whole 32-channel blocks (typical: {ok})"
+            )
+        return v
+
+    @field_validator("embedding_group_size")
+    @classmethod
+    def _even(cls, v: int | None) -> int | None:
+        if v is not None and v % 2:
+            raise ValueError(f"embedding_group_size={v} must be even (two int4 values pack into a byte)")
+        return v
+
+    @field_validator("keep_high_precision", "modules")
+    @classmethod
+    def _patterns(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            bad = [p for p in v if not isinstance(p, str) or not p.strip()]
+            if bad:
+                raise ValueError(f"module patterns must be non-empty strings, got {bad!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _scheme_options(self) -> "Ptq8Config":
+        if self.scheme == "8da8w" and self.group_size is not None:
+            raise ValueError(
+                "group_size applies only to scheme 8da4w; 8da8w quantizes weights per output channel"
+            )
+        if self.quantize_embedding != "int4" and self.embedding_group_size is not None:
+            raise ValueError("embedding_group_size applies only to quantize_embedding: int4")
+        if self.quantize_embedding and "embeddings" in self.keep_high_precision:
+            raise ValueError(
+                "quantize_embedding conflicts with keep_high_precision containing 'embeddings'; drop one"
+            )
+        return self
+
+    def quant_scheme(self) -> str:
+        return self.scheme
+
+    @property
+    def effective_group_size(self) -> int | None:
+        """Group size the 8da4w weights use, or None for per-channel 8da8w."""
+        if self.scheme == "8da4w":
+            return self.group_size or DEFAULT_GROUP_SIZE
+        return None
+
+
+def linear_config(cfg: Ptq8Config):
+    """The torchao config for the chosen scheme (the layout ExecuTorch's XNNPACK lowers)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    if cfg.scheme == "8da8w":
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+    return Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4, weight_granularity=PerGroup(cfg.effective_group_size)
+    )
+
+
+def embedding_config(cfg: Ptq8Config):
+    from torchao.quantization import IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    if cfg.quantize_embedding == "int8":
+        return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
+    return IntxWeightOnlyConfig(
+        weight_dtype=torch.int4, granularity=PerGroup(cfg.embedding_group_size or DEFAULT_EMBEDDING_GROUP_SIZE)
+    )
+
+
+def _is_quantized(weight: torch.Tensor) -> bool:
+    from torchao.utils import TorchAOBaseTensor
+
+    return isinstance(weight, TorchAOBaseTensor)
+
+
+def _conv1d_names(model: nn.Module) -> list[str]:
+    """GPT-2-style ``transformers.pytorch_utils.Conv1D`` projections (not nn.Linear)."""
+    return [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D" and hasattr(m, "nf")]
+
+
+def _untie_config(model: nn.Module) -> None:
+    """Stop transformers from re-tying lm_head to the embedding (which would undo the stage)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    configs = [cfg]
+    if hasattr(cfg, "get_text_config"):
+        configs.append(cfg.get_text_config())
+    for c in configs:
+        if getattr(c, "tie_word_embeddings", False):
+            c.tie_word_embeddings = False
+
+
+def plan(model: nn.Module, cfg: Ptq8Config) -> dict:
+    """Decide which layers to quantize and check every constraint before touching the model."""
+    user_patterns = [p for p in cfg.keep_high_precision if p not in SHORTHANDS] + list(cfg.modules or [])
+    typos = unmatched_patterns(model, user_patterns)
+    if typos:
+        raise ValueError(
+            f"ptq_int8: pattern(s) {typos} match no module of {type(model).__name__}; names look like "
+            f"{[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:3]}"
+        )
+    selected, kept = select_modules(model, nn.Linear, include=cfg.modules, exclude=cfg.keep_high_precision)
+    mods = dict(model.named_modules())
+    already = [n for n in selected if _is_quantized(mods[n].weight)]
+    if already:
+        raise ValueError(f"ptq_int8: {len(already)} layer(s) are already quantized (e.g. {already[0]}); "
+                         "a model goes through one quantization stage")
+    conv1d = _conv1d_names(model)
+    if conv1d and cfg.modules is None:
+        raise ValueError(
+            f"ptq_int8: {type(model).__name__} uses transformers Conv1D (GPT-2 family) for {len(conv1d)} "
+            f"projections (e.g. {conv1d[0]}); torchao quantizes nn.Linear only, so they would stay fp32. "
+            "Set `modules` to quantize the nn.Linear layers deliberately, or use a Llama-family model."
+        )
+    if not selected:
+        raise ValueError(
+            "ptq_int8: no nn.Linear layer is left to quantize after `modules` and `keep_high_precision`"
+        )
+    gs = cfg.effective_group_size
+    if gs is not None:
+        bad = sorted({mods[n].in_features for n in selected if mods[n].in_features % gs})
+        if bad:
+            common = _common_groups([mods[n].in_features for n in selected])
+            raise ValueError(
+                f"ptq_int8: group_size={gs} does not divide in_features {bad} of the selected layers; "
+                f"group sizes that fit every layer: {common or 'none (keep those layers with keep_high_precision)'}"
+            )
+    emb_name = None
+    if cfg.quantize_embedding:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if not isinstance(emb, nn.Embedding):
+            raise ValueError("ptq_int8: quantize_embedding needs a model whose get_input_embeddings() is nn.Embedding")
+        if _is_quantized(emb.weight):
+            raise ValueError("ptq_int8: the input embedding is already quantized")
+        egs = cfg.embedding_group_size or DEFAULT_EMBEDDING_GROUP_SIZE
+        if cfg.quantize_embedding == "int4" and emb.embedding_dim % egs:
+            raise ValueError(
+                f"ptq_int8: embedding_group_size={egs} does not divide the embedding width {emb.embedding_dim}"
+            )
+        emb_name = module_name(model, emb)
+    return {"selected": selected, "kept": kept, "conv1d_skipped": conv1d, "embedding": emb_name}
+
+
+def _common_groups(widths: list[int]) -> list[int]:
+    return [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
+
+
+@register_stage("ptq_int8", Ptq8Config)
+def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
+    """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), dynamic activations, no calibration."""
+    from torchao.quantization import quantize_
+
+    p = plan(model, cfg)
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    was_tied = is_tied(in_emb, out_emb)
+
+    selected = set(p["selected"])
+    quantize_(model, linear_config(cfg), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
+    if p["embedding"] is not None:
+        emb_fqn = p["embedding"]
+        quantize_(model, embedding_config(cfg), filter_fn=lambda m, fqn: fqn == emb_fqn)
+
+    untied = was_tied and not is_tied(in_emb, out_emb)
+    if untied:
+        _untie_config(model)
+    ctx.details.update(
+        {
+            "scheme": cfg.scheme,
+            "group_size": cfg.effective_group_size,
+            "weight_bits": 8 if cfg.scheme == "8da8w" else 4,
+            "activations": "int8 dynamic per-token (no calibration)",
+            "linear_quantized": len(p["selected"]),
+            "linear_kept": len(p["kept"]),
+            "kept_modules": p["kept"],
+            "embedding_quantized": cfg.quantize_embedding,
+            "untied_embeddings": untied,
+        }
+    )
+    if p["conv1d_skipped"]:
+        ctx.details["conv1d_kept_fp32"] = p["conv1d_skipped"]
+    ctx.log(
+        f"ptq_int8 {cfg.scheme}: quantized {len(p['selected'])} Linear layers, kept {len(p['kept'])} in fp32"
+        + (f" ({', '.join(p['kept'][:4])}{'...' if len(p['kept']) > 4 else ''})" if p["kept"] else "")
+        + (f"; embedding {cfg.quantize_embedding}" if cfg.quantize_embedding else "")
+    )
+    return model

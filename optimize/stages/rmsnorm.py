@@ -1,0 +1,126 @@
+"""``rmsnorm``: replace LayerNorm by RMSNorm, exactly for pre-LN models.
+
+Edge runtimes and TorchChat take RMSNorm only. For pre-LayerNorm transformers (GPT-2, OPT
+with do_layer_norm_before, GPT-NeoX/Pythia parallel or not, Phi) the rewrite is exact: see
+``optimize.rewrites.layernorm_fold``. Other models are refused with the reason, unless the
+config sets ``approximate: true``, which swaps the norms anyway (weight = gamma, beta and
+centring dropped) and may heal afterwards.
+
+Reload: the model stays its HF class with ``LlamaRMSNorm`` modules; the rewrite is recorded
+in ``config.edge_optimize_rmsnorm``. Load a saved result with
+``optimize.rewrites.layernorm_fold.load_rewritten(dir)`` (plain ``from_pretrained`` would
+rebuild LayerNorms and drop biases the fold added).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from optimize.heal import HealConfig, heal
+from optimize.rewrites.layernorm_fold import CONFIG_KEY, apply_structure, fold_exact, swap_approximate
+from optimize.rewrites.ln_plans import RewriteRefused, plan_for
+from optimize.stage_api import StageConfig, StageContext, register_stage
+
+
+class RMSNormConfig(StageConfig):
+    kind: Literal["rmsnorm"] = "rmsnorm"
+    approximate: bool = Field(
+        False,
+        description="if the exact rewrite does not apply (post-LN, unknown architecture), swap every LayerNorm "
+        "for RMSNorm anyway (weight = gamma, beta dropped); changes the model, so heal it",
+    )
+    heal: HealConfig | None = Field(
+        None, description="short distillation/fine-tune after an approximate swap (needs approximate: true)"
+    )
+    verify_tokens: int = Field(
+        32, ge=0, description="tokens of a probe forward compared before/after the exact rewrite; 0 skips it"
+    )
+    tolerance: float = Field(
+        1e-3, gt=0, description="largest max-abs logit difference the exact rewrite may show on the probe"
+    )
+
+    @model_validator(mode="after")
+    def _heal_needs_approximate(self):
+        if self.heal is not None and not self.approximate:
+            raise ValueError("heal needs approximate: true (the exact rewrite changes no outputs, so it needs no healing)")
+        return self
+
+
+def _probe_ids(ctx: StageContext, n: int) -> torch.Tensor:
+    src = ctx.calibration[0] if ctx.calibration else ctx.train_ids
+    if src is None or src.numel() < 2:
+        return torch.arange(n).unsqueeze(0)
+    return src[:n].long().unsqueeze(0)
+
+
+def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@register_stage("rmsnorm", RMSNormConfig)
+def rmsnorm(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext) -> nn.Module:
+    """LayerNorm -> RMSNorm: exact fold for pre-LN GPT-2/OPT/GPT-NeoX/Phi, optional approximate swap + heal."""
+    layernorms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    if not layernorms:
+        ctx.details.update({"mode": "none", "reason": "model has no LayerNorm modules"})
+        ctx.log("rmsnorm: model has no LayerNorm modules; nothing to do")
+        return model
+    try:
+        plan = plan_for(model)
+    except RewriteRefused as exc:
+        if not cfg.approximate:
+            raise RewriteRefused(f"rmsnorm: exact rewrite refused: {exc}") from None
+        return _approximate(model, cfg, ctx, str(exc))
+
+    ids = _probe_ids(ctx, cfg.verify_tokens) if cfg.verify_tokens else None
+    ref = _logits(model, ids) if ids is not None else None
+    record = fold_exact(model, plan)
+    facts = {
+        "mode": "exact",
+        "arch": plan.arch,
+        "norms_replaced": len(record["norms"]),
+        "added_bias": record["added_bias"],
+        "untied_head": record["untied_head"],
+        "notes": plan.notes,
+        "reload": "optimize.rewrites.layernorm_fold.load_rewritten(dir)",
+    }
+    if ref is not None:
+        diff = float((_logits(model, ids) - ref).abs().max())
+        facts["probe_max_abs_logit_diff"] = diff
+        if not diff <= cfg.tolerance:
+            raise RuntimeError(
+                f"rmsnorm: exact rewrite of {plan.arch} changed logits by {diff:.3g} > tolerance {cfg.tolerance}"
+            )
+    ctx.details.update(facts)
+    ctx.log(f"rmsnorm: exact fold on {plan.arch}: {len(record['norms'])} LayerNorms -> RMSNorm")
+    return model
+
+
+def _approximate(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext, reason: str) -> nn.Module:
+    msg = f"rmsnorm: approximate swap ({reason}); outputs change, the model needs healing"
+    warnings.warn(msg, stacklevel=2)
+    ctx.log(msg)
+    teacher = copy.deepcopy(model).eval() if cfg.heal is not None and cfg.heal.mode == "distill" else None
+    record = swap_approximate(model)
+    facts = {"mode": "approximate", "arch": record["arch"], "norms_replaced": len(record["norms"]),
+             "reason": reason, "reload": "optimize.rewrites.layernorm_fold.load_rewritten(dir)"}
+    if cfg.heal is not None:
+        facts["heal"] = heal(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, log=ctx.log)
+        del teacher
+    ctx.details.update(facts)
+    return model
+
+
+def restore(model: nn.Module, cfg: RMSNormConfig | None = None) -> None:
+    """Re-apply the rewrite's module layout to a model rebuilt from its saved config (checkpoint
+    resume): the record in ``config.edge_optimize_rmsnorm`` says which norms and biases."""
+    record = getattr(model.config, CONFIG_KEY, None)
+    if record is not None:
+        apply_structure(model, record)

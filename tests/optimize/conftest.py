@@ -1,0 +1,32 @@
+"""Pipeline test helpers: test-only stages via OPTIMIZE_PLUGINS and a tiny pipeline config."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+os.environ["OPTIMIZE_PLUGINS"] = "stage_plugins"
+
+TINY_PIPELINE = {
+    "version": 1,
+    "name": "tiny",
+    "model": {"source": "random", "config": None},
+    "data": {"eval_tokens": 256, "calibration_tokens": 128, "seq_len": 128},
+    "checks": {"latency": {"runs": 1, "warmup": 0, "decode_tokens": 4, "prompt_tokens": 16, "threads": 1}},
+    "stages": [],
+}
+
+
+@pytest.fixture()
+def tiny_cfg(tmp_path, tiny_llama_config):
+    """A tiny pipeline config dict writing into tmp_path; tests add stages and gates."""
+    cfg = copy.deepcopy(TINY_PIPELINE)
+    cfg["model"]["config"] = tiny_llama_config
+    cfg["output_dir"] = str(tmp_path / "run")
+    return cfg

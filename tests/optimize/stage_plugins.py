@@ -1,0 +1,53 @@
+"""Test-only stages, loaded through OPTIMIZE_PLUGINS (the same way users add their own)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from optimize.stage_api import StageConfig, register_stage
+
+
+class NoiseConfig(StageConfig):
+    kind: Literal["test_noise"] = "test_noise"
+    scale: float = Field(0.01, ge=0, description="std of the Gaussian noise added to every weight")
+
+
+@register_stage("test_noise", NoiseConfig)
+def test_noise(model, cfg: NoiseConfig, ctx):
+    """Add Gaussian weight noise (test only: a stage with a controllable accuracy cost)."""
+    g = torch.Generator().manual_seed(ctx.seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * cfg.scale)
+    ctx.details["scale"] = cfg.scale
+    return model
+
+
+class SleepConfig(StageConfig):
+    kind: Literal["test_sleep"] = "test_sleep"
+    seconds: float = Field(0.0, ge=0, description="how long to sleep")
+    marker: str | None = Field(None, description="file touched when the stage starts")
+
+
+@register_stage("test_sleep", SleepConfig)
+def test_sleep(model, cfg: SleepConfig, ctx):
+    """Sleep (test only: gives a test time to kill the run mid-stage)."""
+    if cfg.marker:
+        Path(cfg.marker).write_text("started")
+    time.sleep(cfg.seconds)
+    return model
+
+
+class BoomConfig(StageConfig):
+    kind: Literal["test_boom"] = "test_boom"
+
+
+@register_stage("test_boom", BoomConfig)
+def test_boom(model, cfg: BoomConfig, ctx):
+    """Raise (test only: a stage that crashes)."""
+    raise RuntimeError("boom: this stage always fails")

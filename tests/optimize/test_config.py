@@ -1,0 +1,153 @@
+"""Config validation: every bad input names its YAML path and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from optimize.config import json_schema, load_config
+from optimize.errors import ConfigError
+
+
+def _err(data, overrides=(), **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data, overrides, **kw)
+    return str(info.value)
+
+
+def test_valid_tiny_config_loads(tiny_cfg):
+    cfg = load_config(tiny_cfg)
+    assert cfg.version == 1 and cfg.model.source == "random" and cfg.data.eval_tokens == 256
+
+
+def test_unknown_top_level_key_names_path_and_allowed(tiny_cfg):
+    tiny_cfg["stagez"] = []
+    msg = _err(tiny_cfg)
+    assert "stagez: unknown key 'stagez' (did you mean 'stages'?)" in msg
+    assert "allowed keys:" in msg and "model" in msg and "version" in msg
+
+
+def test_unknown_nested_key_names_full_path(tiny_cfg):
+    tiny_cfg["stages"] = [{"kind": "test_noise", "scael": 0.1}]
+    msg = _err(tiny_cfg)
+    assert "stages.0.scael: unknown key 'scael' (did you mean 'scale'?)" in msg
+    assert "allowed keys: gates, kind, name, scale" in msg
+
+
+def test_wrong_type_names_path(tiny_cfg):
+    tiny_cfg["data"]["eval_tokens"] = "lots"
+    assert "data.eval_tokens: Input should be a valid integer" in _err(tiny_cfg)
+
+
+def test_out_of_range_value(tiny_cfg):
+    tiny_cfg["stages"] = [{"kind": "test_noise", "scale": -1}]
+    assert "stages.0.scale: Input should be greater than or equal to 0" in _err(tiny_cfg)
+
+
+def test_unknown_stage_kind_lists_registered_kinds(tiny_cfg):
+    tiny_cfg["stages"] = [{"kind": "prune_everything"}]
+    msg = _err(tiny_cfg)
+    assert "stages.0:" in msg and "'prune_everything'" in msg
+    assert "'test_noise'" in msg and "'ptq_int8'" in msg  # the allowed kinds are listed
+
+
+def test_missing_kind(tiny_cfg):
+    tiny_cfg["stages"] = [{"scale": 0.1}]
+    assert "stages.0: Unable to extract tag using discriminator 'kind'" in _err(tiny_cfg)
+
+
+def test_missing_model_path_says_which(tiny_cfg, tmp_path):
+    tiny_cfg["model"] = {"source": "hf", "path": str(tmp_path / "no-such-model")}
+    assert f"model.path: not found: {tmp_path / 'no-such-model'}" in _err(tiny_cfg)
+
+
+def test_missing_gguf_file(tiny_cfg, tmp_path):
+    tiny_cfg["model"] = {"source": "gguf", "path": str(tmp_path / "x.gguf")}
+    assert "model.path: not found" in _err(tiny_cfg)
+
+
+def test_unknown_model_source_lists_sources(tiny_cfg):
+    tiny_cfg["model"] = {"source": "hub", "name": "gpt2"}
+    msg = _err(tiny_cfg)
+    assert "model:" in msg and "'hub'" in msg and "'hf', 'gguf', 'bundled', 'random'" in msg
+
+
+def test_unknown_bundled_model(tiny_cfg):
+    tiny_cfg["model"] = {"source": "bundled", "name": "llama-70b"}
+    assert "model.name: Input should be 'smollm2-135m' (got 'llama-70b')" in _err(tiny_cfg)
+
+
+def test_gate_on_unknown_metric_lists_metrics(tiny_cfg):
+    tiny_cfg["gates"] = {"bleu": {"threshold": 0.3}}
+    msg = _err(tiny_cfg)
+    assert "gates.bleu: unknown key 'bleu'" in msg
+    assert "perplexity" in msg and "top1_agreement" in msg and "decode_tok_s" in msg
+
+
+def test_gate_goal_needs_exactly_one_form(tiny_cfg):
+    tiny_cfg["gates"] = {"perplexity": {"threshold": 20, "max_pct_degradation": 2}}
+    assert "gates.perplexity: Value error, a metric goal takes exactly one of" in _err(tiny_cfg)
+
+
+def test_relative_goal_on_baseline_relative_metric_refused(tiny_cfg):
+    tiny_cfg["gates"] = {"top1_agreement": {"max_degradation": 0.1}}
+    assert "top1_agreement is already measured against the baseline; give it a threshold" in _err(tiny_cfg)
+
+
+def test_on_fail_allowed_values(tiny_cfg):
+    tiny_cfg["gates"] = {"on_fail": "explode"}
+    assert "gates.on_fail: Input should be 'stop' or 'warn' (got 'explode')" in _err(tiny_cfg)
+
+
+def test_version_is_required_and_checked(tiny_cfg):
+    del tiny_cfg["version"]
+    assert "version: required key is missing" in _err(tiny_cfg)
+    tiny_cfg["version"] = 2
+    assert "version: Input should be 1 (got 2)" in _err(tiny_cfg)
+
+
+def test_unknown_target_lists_targets(tiny_cfg):
+    tiny_cfg["target"] = "tpu"
+    assert "target: unknown target 'tpu'; available: executorch, onnxruntime" in _err(tiny_cfg)
+
+
+def test_scheme_refused_by_target_names_stage_and_target(tiny_cfg):
+    tiny_cfg["stages"] = [{"kind": "ptq_int8", "scheme": "8da8w"}]
+    msg = _err(tiny_cfg, target="onnxruntime")
+    assert "stages.0: stage '0:ptq_int8': target 'onnxruntime' refuses scheme '8da8w'" in msg
+
+
+def test_unknown_exporter_block(tiny_cfg):
+    tiny_cfg["export"] = {"tflite": {}}
+    assert "export.tflite: unknown exporter; available: executorch, onnxruntime" in _err(tiny_cfg)
+
+
+def test_several_problems_reported_together(tiny_cfg):
+    tiny_cfg["data"]["seq_len"] = 1
+    tiny_cfg["checks"]["latency"]["runs"] = 0
+    msg = _err(tiny_cfg)
+    assert "2 problems" in msg and "data.seq_len" in msg and "checks.latency.runs" in msg
+
+
+def test_yaml_file_errors(tmp_path):
+    assert "config file not found" in _err(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: [1\n")
+    assert "not valid YAML" in _err(bad)
+    bad.write_text("- 1\n- 2\n")
+    assert "the top level must be a mapping" in _err(bad)
+
+
+def test_relative_paths_resolve_against_the_yaml_file(tmp_path, tiny_cfg):
+    (tmp_path / "corpus.txt").write_text("hello " * 2000)
+    tiny_cfg["data"]["corpus"] = "corpus.txt"
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(tiny_cfg))
+    cfg = load_config(tmp_path / "p.yaml")
+    assert cfg.data.corpus == str(tmp_path / "corpus.txt")
+
+
+def test_schema_has_stage_union_and_version():
+    schema = json_schema()
+    assert "version" in schema["required"]
+    text = str(schema)
+    assert "ptq_int8" in text and "discriminator" in text
