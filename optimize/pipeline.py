@@ -21,9 +21,10 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from export.runtime import EagerRunner, Runner, greedy_generate
+from export.runtime import EagerRunner, Runner
+from export.verify import greedy_match, logits_parity
 from optimize import checkpoints as ckpt
-from optimize.checks.accuracy import BaselineLogits, evaluate, eval_windows, parity
+from optimize.checks.accuracy import BaselineLogits, evaluate, eval_windows
 from optimize.checks.latency import measure_latency, torch_threads
 from optimize.checks.size import parameter_count, serialized_bytes
 from optimize.config import PipelineConfigBase, dump_config, export_options, load_config
@@ -277,7 +278,7 @@ def _export(state: _RunState, model: torch.nn.Module, report: Report) -> None:
                 m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
                 m.top1_agreement, m.kl_divergence = acc.top1_agreement, acc.kl_divergence
                 m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
-                row.details["parity_vs_eager"] = parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
+                row.details["parity_vs_eager"] = logits_parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
             if cfg.checks.generate_tokens:
                 row.details["greedy"] = _greedy_compare(eager, runner, state)
         if cfg.checks.latency.enabled:
@@ -305,19 +306,15 @@ def _export(state: _RunState, model: torch.nn.Module, report: Report) -> None:
 
 
 def _greedy_compare(eager: Runner, runner: Runner, state: _RunState) -> dict:
+    """Greedy tokens from eager and from the runtime, with where (if anywhere) they diverge."""
     n = state.cfg.checks.generate_tokens
-    prompt = state.prompt[: min(32, state.prompt.numel())]
-    ref = greedy_generate(eager, prompt, n)
-    got = greedy_generate(runner, prompt, n)
-    diverged = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-    if diverged is None and len(ref) != len(got):
-        diverged = min(len(ref), len(got))
+    res = greedy_match(eager, runner, state.prompt[: min(32, state.prompt.numel())], n)
     return {
         "tokens": n,
-        "match": diverged is None,
-        "diverged_at": diverged,
-        "eager_text": state.tokenizer.decode(ref),
-        "runtime_text": state.tokenizer.decode(got),
+        "match": res["match"],
+        "diverged_at": res["diverged_at"],
+        "eager_text": state.tokenizer.decode(res["ref_ids"]),
+        "runtime_text": state.tokenizer.decode(res["test_ids"]),
     }
 
 

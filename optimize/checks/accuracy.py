@@ -93,19 +93,3 @@ def evaluate(
         kl_divergence=(kl_sum / total) if baseline is not None else None,
         next_token_accuracy=correct / max(total, 1),
     )
-
-
-def parity(reference: Runner, test: Runner, windows: list[torch.Tensor]) -> dict:
-    """Max abs logit difference and top-1 agreement of ``test`` against ``reference``."""
-    max_diff = 0.0
-    agree = 0
-    total = 0
-    for w in windows:
-        reference.reset()
-        test.reset()
-        a = reference.forward(w, all_logits=True).float()
-        b = test.forward(w, all_logits=True).float()
-        max_diff = max(max_diff, float((a - b).abs().max()))
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
-        total += a.shape[0]
-    return {"max_abs_diff": max_diff, "top1_agreement": agree / max(total, 1), "tokens": total}
