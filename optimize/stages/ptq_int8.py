@@ -10,7 +10,19 @@ is deliberately not offered (it lowers to wrong logits on XNNPACK, see the targe
 Why ``keep_high_precision`` defaults to ``["lm_head"]``: on SmolLM2-135M (tied embeddings)
 the output projection is the most sensitive matmul, and keeping it fp32 costs no extra
 bytes because it shares its weight with the fp32 embedding table; quantizing it un-ties
-the pair and *adds* an int8/int4 copy. See bench/ptq.py for the measured figures.
+the pair and *adds* an int8/int4 copy. The price is decode bandwidth on a device (the fp32
+head is read for every token); set ``keep_high_precision: []`` when that matters more. See
+bench/ptq.py for the measured figures. Reference perplexity (4096 pydoc targets), fp32 14.71:
+8da8w with lm_head fp32 14.88 (+1.2%), all int8 14.99 (+1.9%, bench/ptq.py; the shared notes
+said 15.1): the default leaves margin under a 2% gate and is smaller. hqq_scale_only
+scales made 8da8w worse (15.00) but 8da4w g32 (lm_head fp32) better (21.20 -> 20.74).
+
+``quantize_embedding`` (torchao weight-only ``IntxWeightOnlyConfig`` on the ``nn.Embedding``)
+runs in eager and exports, but is not an XNNPACK op: ExecuTorch lowers it only with
+``to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))``, which fuses it
+into ``quantized_decomposed::embedding_byte``/``embedding_4bit``, and the ``.pte`` then loads
+only after ``import executorch.kernels.quantized`` (int8 checked on executorch 1.5.1 with a tiny
+Llama; the int4 path was not run to a .pte).
 """
 
 from __future__ import annotations
@@ -58,6 +70,11 @@ class Ptq8Config(StageConfig):
         gt=0,
         description=f"quantize_embedding=int4 only: columns per group, even and dividing the hidden "
         f"size; default {DEFAULT_EMBEDDING_GROUP_SIZE}",
+    )
+    weight_qparams: Literal["affine", "hqq_scale_only"] = Field(
+        "affine",
+        description="how weight scales are chosen: affine (min/max, fast) or hqq_scale_only (HQQ-optimised "
+        "scales, as ExecuTorch's LLM export uses; helped 8da4w, hurt 8da8w on SmolLM2; ~3x slower to quantize)",
     )
     modules: list[str] | None = Field(
         None,
@@ -123,10 +140,11 @@ def linear_config(cfg: Ptq8Config):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
 
+    algo = dict(intx_choose_qparams_algorithm=cfg.weight_qparams)
     if cfg.scheme == "8da8w":
-        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0), **algo)
     return Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4, weight_granularity=PerGroup(cfg.effective_group_size)
+        weight_dtype=torch.int4, weight_granularity=PerGroup(cfg.effective_group_size), **algo
     )
 
 
@@ -244,6 +262,7 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
             "scheme": cfg.scheme,
             "group_size": cfg.effective_group_size,
             "weight_bits": 8 if cfg.scheme == "8da8w" else 4,
+            "weight_qparams": cfg.weight_qparams,
             "activations": "int8 dynamic per-token (no calibration)",
             "linear_quantized": len(p["selected"]),
             "linear_kept": len(p["kept"]),
