@@ -5,6 +5,7 @@
     optimize schema [--report]
     optimize ls stages|targets
     optimize run model.pte --prompt "..."
+    optimize sensitivity model.yaml [--scheme 8da4w]
     optimize train recipe.yaml [key=value ...]
 """
 
@@ -101,6 +102,17 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_sensitivity(args) -> int:
+    from optimize.sensitivity import run_sensitivity
+
+    report = run_sensitivity(
+        args.config, args.overrides, scheme=args.scheme, groups=tuple(args.groups), windows=args.windows,
+        seq_len=args.seq_len, algorithm=args.algorithm, out_dir=args.output, log=_say,
+    )
+    print(report.table(limit=args.top))
+    return 0
+
+
 def cmd_train(args) -> int:
     from train.api import run_training
     from train.recipe import load_recipe
@@ -144,6 +156,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     s.add_argument("--threads", type=int, default=None)
     s.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("sensitivity", help="rank module groups by how much quantizing each alone costs")
+    s.add_argument("config", help="pipeline YAML (its model, text and quantization stage are used)")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--scheme", choices=["8da4w", "8da8w", "w4", "w8"], help="default: the config's ptq stage scheme")
+    s.add_argument("--groups", nargs="+", default=["blocks", "projections", "lm_head", "embeddings"],
+                   choices=["blocks", "projections", "lm_head", "embeddings", "modules"],
+                   help="how to group modules (each group is quantized alone)")
+    s.add_argument("--windows", type=int, default=4, help="calibration windows scored per group")
+    s.add_argument("--seq-len", type=int, default=256)
+    s.add_argument("--algorithm", choices=["rtn", "hqq"], default="rtn", help="weight scale choice")
+    s.add_argument("--output", help="output directory (default <run dir>/sensitivity)")
+    s.add_argument("--top", type=int, default=None, help="print only the N most sensitive groups")
+    s.set_defaults(fn=cmd_sensitivity)
 
     s = sub.add_parser("train", help="run a training recipe (LoRA/QLoRA, FSDP2 under torchrun, ...)")
     s.add_argument("recipe")
