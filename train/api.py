@@ -1,0 +1,105 @@
+"""Recipe runner: load model and text from a recipe, train, and return a JSON-serializable report.
+
+This is what ``python -m train recipe.yaml`` (and the CLI's ``optimize train``) calls. The
+report is also written atomically to ``<output_dir>/report.json`` by rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from export.atomic import atomic_write_json
+from train.config import TrainRecipe
+from train.corpus import load_text, tokenize
+from train.distributed import init_distributed, teardown
+from train.loop import train
+from train.sources import load_model
+
+log = logging.getLogger("optimize.train")
+
+
+class TrainReport(BaseModel):
+    """What a training run did; every field is plain JSON."""
+
+    model: str = Field(description="model source description")
+    output_dir: str = Field(description="run directory (checkpoints, metrics.csv, hf/, report.json)")
+    start_step: int = Field(description="step the run started from (0, or the resumed checkpoint's step)")
+    final_step: int = Field(description="last optimizer step")
+    resumed_from: str | None = Field(description="checkpoint the run resumed from, if any")
+    losses: dict[int, float] = Field(description="global mean loss per optimizer step trained in this run")
+    first_loss: float | None = Field(description="loss at the first step of this run")
+    final_loss: float | None = Field(description="loss at the last step of this run")
+    train_tokens: int = Field(description="tokens in the training split")
+    tokens_seen: int = Field(description="tokens processed in this run, all ranks")
+    tokens_per_s: float = Field(description="training throughput over this run, all ranks")
+    peak_mem_mib: float = Field(description="peak memory per rank (CPU: peak RSS; CUDA: max allocated)")
+    world_size: int = Field(description="number of ranks")
+    micro_batch_size: int = Field(description="micro-batch at the end (smaller than configured after an OOM)")
+    grad_accum_steps: int = Field(description="accumulation steps at the end")
+    trainable_params: int = Field(description="parameters the optimizer updates (whole model, not per shard)")
+    total_params: int = Field(description="all parameters (whole model, not per shard; NF4 counted unpacked)")
+    checkpoints: list[str] = Field(description="checkpoints written by this run")
+    exported_to: str | None = Field(description="consolidated Hugging Face model directory")
+
+
+def _train_ids(recipe: TrainRecipe, tokenizer):
+    ids = tokenize(load_text(recipe.data.corpus), tokenizer)
+    ids = ids[recipe.data.skip_eval_tokens :]
+    if recipe.data.max_tokens is not None:
+        ids = ids[: recipe.data.max_tokens]
+    if ids.numel() < recipe.data.seq_len + 1:
+        raise ValueError(
+            f"data: {ids.numel()} training tokens after skipping {recipe.data.skip_eval_tokens}; "
+            f"need at least seq_len + 1 = {recipe.data.seq_len + 1}"
+        )
+    return ids
+
+
+def run_training(recipe: TrainRecipe) -> TrainReport:
+    """Build everything the recipe names and train it (every rank calls this under torchrun)."""
+    cfg = recipe.loop_config()
+    ctx = init_distributed(cfg.device, cfg.distributed)
+    try:
+        loaded = load_model(recipe.model)
+        ids = _train_ids(recipe, loaded.tokenizer)
+        result = train(loaded.model, ids, cfg, seq_len=recipe.data.seq_len, tokenizer=loaded.tokenizer, ctx=ctx)
+        losses = result.losses
+        report = TrainReport(
+            model=loaded.description,
+            output_dir=str(cfg.output_dir),
+            start_step=result.start_step,
+            final_step=result.final_step,
+            resumed_from=str(result.resumed_from) if result.resumed_from else None,
+            losses=losses,
+            first_loss=losses[min(losses)] if losses else None,
+            final_loss=losses[max(losses)] if losses else None,
+            train_tokens=int(ids.numel()),
+            tokens_seen=result.tokens,
+            tokens_per_s=result.tokens_per_s,
+            peak_mem_mib=result.peak_mem_mib,
+            world_size=result.world_size,
+            micro_batch_size=result.micro_batch_size,
+            grad_accum_steps=result.grad_accum_steps,
+            trainable_params=result.trainable_params,
+            total_params=result.total_params,
+            checkpoints=[str(p) for p in result.checkpoints],
+            exported_to=str(result.exported_to) if result.exported_to else None,
+        )
+        if ctx.is_main:
+            atomic_write_json(Path(cfg.output_dir) / "report.json", report.model_dump(mode="json"))
+        return report
+    finally:
+        teardown(ctx)
+
+
+def configure_threads() -> None:
+    """Honour OMP_NUM_THREADS explicitly (torch otherwise uses every core, which thrashes when shared)."""
+    n = os.environ.get("OMP_NUM_THREADS")
+    if n and n.isdigit():
+        import torch
+
+        torch.set_num_threads(int(n))

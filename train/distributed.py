@@ -1,0 +1,121 @@
+"""PyTorch's own distributed engine: process group from torchrun's env, device mesh, FSDP2.
+
+The backend follows the device (NCCL on CUDA, gloo on CPU), so the same code runs under
+``torchrun --nproc_per_node 2`` on a laptop and on a GPU node. Sharding is FSDP2
+``fully_shard``: each transformer block first, then the root, so parameters are gathered
+one block at a time. Teardown always destroys the process group, including on errors, so
+a failing rank exits instead of leaving its peers blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from train.config import DistributedConfig
+from train.memory import transformer_blocks
+
+log = logging.getLogger("optimize.train")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: object | None = None
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: cuda was requested but CUDA is not available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(requested_device: str, cfg: DistributedConfig) -> DistContext:
+    """Join torchrun's process group when launched by it (WORLD_SIZE set); else single process."""
+    device = pick_device(requested_device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 and not cfg.fsdp:
+        return DistContext(device=device)
+    if "RANK" not in os.environ:
+        raise RuntimeError(
+            "distributed.fsdp needs a launcher: run with `torchrun --nproc_per_node N -m train recipe.yaml`"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    owns = False
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        owns = True
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return DistContext(
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        device=device,
+        mesh=mesh,
+        owns_group=owns,
+    )
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a peer already gone must not mask the original error
+            log.warning("destroy_process_group failed: %s", exc)
+
+
+def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext) -> nn.Module:
+    """fully_shard every transformer block, then the root, with the configured policies."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=ctx.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
+    wrapper_of = {
+        id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
+    }
+    for block in transformer_blocks(model):
+        fully_shard(wrapper_of.get(id(block), block), **kwargs)
+    fully_shard(model, **kwargs)
+    quantized = sum(type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" for p in model.parameters())
+    if quantized:
+        log.info("FSDP2: %d parameters sharded per-parameter as NF4 (4-bit all-gather)", quantized)
+    return model
+
+
+def all_reduce_mean(value: float, ctx: DistContext) -> float:
+    if ctx.world <= 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t)
+    return float(t.item()) / ctx.world
+
+
+def all_reduce_max(value: float, ctx: DistContext) -> float:
+    if ctx.world <= 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

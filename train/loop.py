@@ -1,0 +1,276 @@
+"""The one training loop: ``train(model, data, cfg, loss_fn=None) -> TrainResult``.
+
+Callers (the recipe runner, and the pipeline's ``distill`` and ``qat`` stages) pass a built
+``nn.Module``, token ids and optionally their own loss, e.g. KL to a teacher:
+``loss_fn(model, batch) -> scalar`` where ``batch`` has ``input_ids`` and shifted ``labels``.
+Everything else (precision, memory savers, LoRA, FSDP2, checkpoints, resume, export) comes
+from the typed :class:`~train.config.LoopConfig`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train import checkpoint as ckpt
+from train.batching import MicroBatchPlan, is_oom
+from train.config import LoopConfig
+from train.data import PackedWindows, ResumableBatchSampler, make_loader, split_micro
+from train.distributed import DistContext, all_reduce_max, all_reduce_mean, apply_fsdp, init_distributed, teardown
+from train.export_hf import export_pretrained
+from train.lora import apply_lora
+from train.memory import activation_offload_context, apply_activation_checkpointing, peak_memory_mib, reset_peak_memory
+from train.metrics import MetricsLogger
+from train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("optimize.train")
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy; labels are already shifted by the data pipeline."""
+    out = model(input_ids=batch["input_ids"], use_cache=False)
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    losses: dict[int, float]
+    start_step: int
+    final_step: int
+    resumed_from: Path | None
+    tokens: int
+    tokens_per_s: float
+    peak_mem_mib: float
+    micro_batch_size: int
+    grad_accum_steps: int
+    world_size: int
+    trainable_params: int
+    total_params: int
+    checkpoints: list[Path] = field(default_factory=list)
+    exported_to: Path | None = None
+
+
+def _autocast(mode: str, device: torch.device, fsdp: bool):
+    if mode == "fp32" or fsdp:  # under FSDP the MixedPrecisionPolicy casts instead
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if mode == "bf16" else torch.float16)
+
+
+def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
+    """fp32 master weights, LoRA/QLoRA, activation checkpointing, then FSDP2 or device placement."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = False  # a KV cache mutated inside a checkpointed block breaks recompute
+    if cfg.precision.master_weights_fp32:
+        model = model.float()
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, shard_world=ctx.world if cfg.distributed.fsdp else 1)
+    wrapped = apply_activation_checkpointing(model, cfg.memory)
+    if wrapped:
+        log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)
+    if cfg.distributed.fsdp:
+        if not cfg.distributed.cpu_offload:
+            model = model.to(ctx.device)
+        model = apply_fsdp(model, cfg.distributed, ctx)
+    else:
+        model = model.to(ctx.device)
+    model.train()
+    return model
+
+
+def _as_dataset(data, seq_len: int) -> PackedWindows:
+    if isinstance(data, PackedWindows):
+        return data
+    return PackedWindows(torch.as_tensor(data), seq_len)
+
+
+def train(
+    model: nn.Module,
+    data: torch.Tensor | PackedWindows,
+    cfg: LoopConfig,
+    loss_fn: LossFn | None = None,
+    *,
+    seq_len: int = 256,
+    tokenizer=None,
+    ctx: DistContext | None = None,
+) -> TrainResult:
+    """Train ``model`` on ``data`` (1-D token ids, or 2-D windows of ``seq_len + 1``).
+
+    Resumes from the newest complete checkpoint in ``cfg.output_dir/checkpoints`` when
+    ``cfg.checkpoint.resume`` is set. Under torchrun with ``distributed.fsdp`` every rank
+    calls this; the process group is created and destroyed here unless ``ctx`` is given.
+    """
+    own_ctx = ctx is None
+    ctx = ctx or init_distributed(cfg.device, cfg.distributed)
+    try:
+        return _train(model, data, cfg, loss_fn or causal_lm_loss, seq_len, tokenizer, ctx)
+    finally:
+        if own_ctx:
+            teardown(ctx)
+
+
+def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ctx: DistContext) -> TrainResult:
+    out_dir = Path(cfg.output_dir)
+    ckpt_root = out_dir / "checkpoints"
+    torch.manual_seed(cfg.seed)
+    model = prepare_model(model, cfg, ctx)
+    reset_peak_memory(ctx.device)  # measure training, not the one-off load/quantize transient
+    fsdp = cfg.distributed.fsdp
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.optimizer, ctx.device)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
+    scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision.mode == "fp16" else None
+    plan = MicroBatchPlan(cfg.batch)
+
+    dataset = _as_dataset(data, seq_len)
+    sampler = ResumableBatchSampler(len(dataset), cfg.batch.effective_per_rank, ctx.rank, ctx.world, cfg.data_seed)
+    start_step, resumed_from = 0, None
+    latest = ckpt.latest_checkpoint(ckpt_root) if cfg.checkpoint.resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, model, optimizer, skip_frozen=cfg.lora.enabled)
+        start_step, resumed_from = int(state["step"]), latest
+        sampler.load_state_dict(state["data"])
+        scheduler.load_state_dict(state["scheduler"])
+        plan.load_state_dict(state["batch"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        if ctx.is_main:
+            log.info("resumed from %s at step %d", latest, start_step)
+
+    loader = make_loader(
+        dataset,
+        sampler,
+        num_workers=cfg.data_workers,
+        pin_memory=cfg.pin_memory,
+        prefetch_factor=cfg.prefetch_factor,
+    )
+    batches = iter(loader)
+    metrics = MetricsLogger(cfg.logging, out_dir, cfg.max_steps, start_step, ctx.is_main)
+    losses: dict[int, float] = {}
+    saved: list[Path] = []
+    tokens_total, train_time = 0, 0.0
+
+    def trainer_state() -> dict:
+        return {
+            "data": sampler.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "batch": plan.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+
+    try:
+        for step in range(start_step, cfg.max_steps):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            sampler.position = step + 1
+            batch = {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
+            loss = _optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp)
+            grad_norm = loss.pop("grad_norm")
+            scheduler.step()
+            step_loss = all_reduce_mean(loss["loss"], ctx)
+            dt = time.perf_counter() - t0
+            train_time += dt
+            step_tokens = batch["input_ids"].numel() * ctx.world
+            tokens_total += step_tokens
+            losses[step + 1] = step_loss
+            row = dict(
+                step=step + 1,
+                loss=step_loss,
+                lr=scheduler.get_last_lr()[0],
+                grad_norm=grad_norm,
+                tokens_per_s=step_tokens / dt,
+                peak_mem_mib=peak_memory_mib(ctx.device),
+                micro_batch_size=plan.micro,
+                grad_accum_steps=plan.accum,
+            )
+            metrics.log(row)
+            done = step + 1
+            if cfg.checkpoint.every_n_steps and done % cfg.checkpoint.every_n_steps == 0 and done < cfg.max_steps:
+                saved.append(
+                    ckpt.save_checkpoint(
+                        ckpt_root, done, model, optimizer, trainer_state(), cfg.checkpoint.keep_last, cfg.lora.enabled
+                    )
+                )
+        if cfg.checkpoint.save_final and start_step < cfg.max_steps:
+            saved.append(
+                ckpt.save_checkpoint(
+                    ckpt_root, cfg.max_steps, model, optimizer, trainer_state(), cfg.checkpoint.keep_last, cfg.lora.enabled
+                )
+            )
+    finally:
+        metrics.close()
+        del batches  # stop loader workers promptly
+
+    exported = None
+    if cfg.checkpoint.export_hf:
+        exported = export_pretrained(model, tokenizer, out_dir / "hf", cfg.lora, sharded=fsdp, is_main=ctx.is_main)
+    peak = all_reduce_max(peak_memory_mib(ctx.device), ctx)
+    return TrainResult(
+        model=model,
+        losses=losses,
+        start_step=start_step,
+        final_step=cfg.max_steps,
+        resumed_from=resumed_from,
+        tokens=tokens_total,
+        tokens_per_s=tokens_total / train_time if train_time else 0.0,
+        peak_mem_mib=peak,
+        micro_batch_size=plan.micro,
+        grad_accum_steps=plan.accum,
+        world_size=ctx.world,
+        trainable_params=sum(p.numel() for p in params),
+        total_params=sum(p.numel() for p in model.parameters()),
+        checkpoints=saved,
+        exported_to=exported,
+    )
+
+
+def _optimizer_step(model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, plan, ctx, fsdp) -> dict:
+    """Accumulate gradients over micro-batches (retrying smaller on OOM if dynamic), clip, step."""
+    total_tokens = batch["labels"].numel()
+    while True:
+        try:
+            loss_sum = 0.0
+            micros = split_micro(batch, plan.micro)
+            for i, mb in enumerate(micros):
+                if fsdp:  # reduce-scatter gradients only on the last micro-batch
+                    model.set_requires_gradient_sync(i == len(micros) - 1)
+                with _autocast(cfg.precision.mode, ctx.device, fsdp), activation_offload_context(
+                    cfg.memory.activation_offload, ctx.device
+                ):
+                    loss = loss_fn(model, mb)
+                weighted = loss * (mb["labels"].numel() / total_tokens)
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                loss_sum += float(weighted.detach())
+            break
+        except Exception as exc:
+            if not (cfg.batch.dynamic and is_oom(exc)):
+                raise
+            optimizer.zero_grad(set_to_none=True)
+            plan.shrink(exc)
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_sum, "grad_norm": float(norm)}
