@@ -94,25 +94,27 @@ def _shrink(lin: nn.Linear, kv: int, groups: int, init: str, gen) -> nn.Linear:
     return new
 
 
-def convert_to_gqa(model: nn.Module, num_kv_heads: int, init: str = "mean", seed: int = 0) -> tuple[KVLayout, KVLayout]:
-    """Rewrite ``model`` in place to ``num_kv_heads`` KV heads; returns (before, after) layouts."""
+def convert_to_gqa(
+    model: nn.Module, num_key_value_heads: int, init: str = "mean", seed: int = 0
+) -> tuple[KVLayout, KVLayout]:
+    """Rewrite ``model`` in place to ``num_key_value_heads`` KV heads; returns (before, after) layouts."""
     before = kv_layout(model)
     valid = valid_kv_heads(before.kv_heads)
-    if num_kv_heads not in valid:
+    if num_key_value_heads not in valid:
         raise GQAError(
-            f"num_kv_heads={num_kv_heads} must divide the model's current {before.kv_heads} KV heads; "
+            f"num_key_value_heads={num_key_value_heads} must divide the model's current {before.kv_heads} KV heads; "
             f"valid values: {', '.join(map(str, valid))}"
         )
-    if num_kv_heads == before.kv_heads:
+    if num_key_value_heads == before.kv_heads:
         return before, before
     gen = torch.Generator().manual_seed(seed)
     for attn in _attentions(model):
-        attn.k_proj = _shrink(attn.k_proj, before.kv_heads, num_kv_heads, init, gen)
-        attn.v_proj = _shrink(attn.v_proj, before.kv_heads, num_kv_heads, init, gen)
-        attn.num_key_value_groups = before.heads // num_kv_heads
+        attn.k_proj = _shrink(attn.k_proj, before.kv_heads, num_key_value_heads, init, gen)
+        attn.v_proj = _shrink(attn.v_proj, before.kv_heads, num_key_value_heads, init, gen)
+        attn.num_key_value_groups = before.heads // num_key_value_heads
         if hasattr(attn, "num_key_value_heads"):
-            attn.num_key_value_heads = num_kv_heads
-    model.config.num_key_value_heads = num_kv_heads
+            attn.num_key_value_heads = num_key_value_heads
+    model.config.num_key_value_heads = num_key_value_heads
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    text_cfg.num_key_value_heads = num_kv_heads
+    text_cfg.num_key_value_heads = num_key_value_heads
     return before, kv_layout(model)

@@ -132,6 +132,8 @@ def apply_structure(model: nn.Module, record: dict) -> list[str]:
     parameter names the stock class could not load."""
     for name in record["norms"]:
         norm = model.get_submodule(name)
+        if not isinstance(norm, nn.LayerNorm):  # already restored: keep this idempotent
+            continue
         weight = norm.weight.detach() if norm.weight is not None else None
         device = weight.device if weight is not None else torch.device("cpu")
         with torch.device(device):  # "meta" when a checkpoint loader builds the skeleton first
@@ -142,11 +144,13 @@ def apply_structure(model: nn.Module, record: dict) -> list[str]:
                 with torch.no_grad():
                     new.weight.copy_(weight)
         _set_module(model, name, new)
-    if record.get("untied_head"):
-        head = model.get_output_embeddings()
+    head = model.get_output_embeddings()
+    if record.get("untied_head") and head.weight is model.get_input_embeddings().weight:
         head.weight = nn.Parameter(head.weight.detach().clone())
     for name in record["added_bias"]:
         lin = model.get_submodule(name)
+        if getattr(lin, "bias", None) is not None:
+            continue
         out = lin.weight.shape[0] if isinstance(lin, nn.Linear) else lin.weight.shape[1]
         if lin.weight.is_meta:
             lin.bias = nn.Parameter(torch.empty(out, dtype=lin.weight.dtype, device="meta"))

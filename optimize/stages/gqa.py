@@ -20,7 +20,7 @@ from optimize.stage_api import StageConfig, StageContext, register_stage
 
 class GQAConfig(StageConfig):
     kind: Literal["gqa"] = "gqa"
-    num_kv_heads: int = Field(
+    num_key_value_heads: int = Field(
         ..., gt=0, description="KV heads after the rewrite (G); must divide the current count; 1 gives MQA"
     )
     init: Literal["mean", "first", "random"] = Field(
@@ -31,11 +31,11 @@ class GQAConfig(StageConfig):
 
 @register_stage("gqa", GQAConfig)
 def gqa(model: nn.Module, cfg: GQAConfig, ctx: StageContext) -> nn.Module:
-    """Grouped-query attention: pool K/V heads down to num_kv_heads (mean/first/random), optional heal."""
+    """Grouped-query attention: pool K/V heads down to num_key_value_heads (mean/first/random), optional heal."""
     teacher = None
     if cfg.heal is not None and cfg.heal.mode == "distill":
         teacher = copy.deepcopy(model).eval()  # the pre-rewrite model, before any weight changes
-    before, after = convert_to_gqa(model, cfg.num_kv_heads, cfg.init, seed=ctx.seed)
+    before, after = convert_to_gqa(model, cfg.num_key_value_heads, cfg.init, seed=ctx.seed)
     facts = {
         "kv_heads_before": before.kv_heads,
         "kv_heads_after": after.kv_heads,

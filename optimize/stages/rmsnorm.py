@@ -64,7 +64,15 @@ def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
-@register_stage("rmsnorm", RMSNormConfig)
+def restore(model: nn.Module, cfg: RMSNormConfig | None = None) -> None:
+    """Re-apply the rewrite's module layout to a model rebuilt from its saved config (checkpoint
+    resume): the record in ``config.edge_optimize_rmsnorm`` says which norms and biases."""
+    record = getattr(model.config, CONFIG_KEY, None)
+    if record is not None:
+        apply_structure(model, record)
+
+
+@register_stage("rmsnorm", RMSNormConfig, restore=restore)
 def rmsnorm(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext) -> nn.Module:
     """LayerNorm -> RMSNorm: exact fold for pre-LN GPT-2/OPT/GPT-NeoX/Phi, optional approximate swap + heal."""
     layernorms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
@@ -117,10 +125,3 @@ def _approximate(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext, reason
     ctx.details.update(facts)
     return model
 
-
-def restore(model: nn.Module, cfg: RMSNormConfig | None = None) -> None:
-    """Re-apply the rewrite's module layout to a model rebuilt from its saved config (checkpoint
-    resume): the record in ``config.edge_optimize_rmsnorm`` says which norms and biases."""
-    record = getattr(model.config, CONFIG_KEY, None)
-    if record is not None:
-        apply_structure(model, record)

@@ -24,6 +24,8 @@ EXAMPLES: dict[str, tuple[dict, dict | None]] = {
     "ptq_int8": ({"scheme": "8da8w"}, None),
     "rmsnorm": ({}, TINY_GPT2),
     "gqa": ({"num_key_value_heads": 1}, None),
+    "smoothquant": ({"alpha": 0.5}, None),
+    "awq": ({"rows": 32}, None),
 }
 
 

@@ -1,0 +1,178 @@
+"""The gqa stage: shapes, parameter counts, identity, mean-pooling, config errors, real SmolLM2."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from optimize.rewrites.gqa import GQAError
+from optimize.stage_api import StageContext, get_stage
+from optimize.stages.gqa import GQAConfig
+
+V = 512
+
+
+def llama(kv_heads: int = 4, model_type: str = "llama", **over):
+    torch.manual_seed(0)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=kv_heads, vocab_size=V, max_position_embeddings=128, **over)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
+
+
+def ctx(tmp_path, train_ids=None, seed=0) -> StageContext:
+    ids = train_ids if train_ids is not None else torch.randint(0, V, (2000,), generator=torch.Generator().manual_seed(1))
+    return StageContext(tokenizer=None, calibration=[ids[:64]], train_ids=ids, target=None, work_dir=tmp_path, seed=seed)
+
+
+def run(model, cfg: dict, c):
+    spec = get_stage("gqa")
+    return spec.fn(model, spec.config_cls.model_validate({"kind": "gqa", **cfg}), c)
+
+
+IDS = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(3))
+
+
+def logits(m):
+    with torch.no_grad():
+        return m(input_ids=IDS).logits
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_shapes_params_and_config(groups, tmp_path):
+    model = llama(kv_heads=4)
+    before = n_params(model)
+    c = ctx(tmp_path)
+    out = run(model, {"num_key_value_heads": groups}, c)
+    attn = out.model.layers[0].self_attn
+    head_dim = 64 // 4
+    assert attn.k_proj.weight.shape == (groups * head_dim, 64) == attn.v_proj.weight.shape
+    assert attn.num_key_value_groups == 4 // groups and out.config.num_key_value_heads == groups
+    removed = 2 * 2 * (4 - groups) * head_dim * 64  # layers * (k, v) * heads dropped * head_dim * hidden
+    assert n_params(out) == before - removed
+    assert c.details["kv_cache_bytes_per_token_before"] == 2 * 2 * 4 * head_dim * 4
+    assert c.details["kv_cache_bytes_per_token_after"] == 2 * 2 * groups * head_dim * 4
+    assert torch.isfinite(logits(out)).all()
+
+
+def test_same_number_of_heads_is_identity(tmp_path):
+    model = llama(kv_heads=2)
+    ref = logits(model)
+    c = ctx(tmp_path)
+    out = run(model, {"num_key_value_heads": 2}, c)
+    assert torch.equal(logits(out), ref) and c.details["identity"] is True
+
+
+def test_mha_to_gqa_mean_pools_each_group(tmp_path):
+    model = llama(kv_heads=4, model_type="qwen2")  # qwen2: k/v biases are pooled too
+    k = model.model.layers[1].self_attn.k_proj
+    w, b = k.weight.detach().clone(), k.bias.detach().clone()
+    out = run(model, {"num_key_value_heads": 2}, ctx(tmp_path))
+    k2 = out.model.layers[1].self_attn.k_proj
+    hd = 16
+    for g in range(2):
+        want_w = (w[2 * g * hd:(2 * g + 1) * hd] + w[(2 * g + 1) * hd:(2 * g + 2) * hd]) / 2
+        torch.testing.assert_close(k2.weight[g * hd:(g + 1) * hd], want_w)
+        want_b = (b[2 * g * hd:(2 * g + 1) * hd] + b[(2 * g + 1) * hd:(2 * g + 2) * hd]) / 2
+        torch.testing.assert_close(k2.bias[g * hd:(g + 1) * hd], want_b)
+
+
+def test_mean_pool_is_exact_when_group_heads_are_equal(tmp_path):
+    """If every KV head in a group is the same, mean-pooling changes nothing: checks the head mapping."""
+    model = llama(kv_heads=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(4, 16, 64)
+                w[1].copy_(w[0])
+                w[3].copy_(w[2])
+    ref = logits(model)
+    out = run(model, {"num_key_value_heads": 2}, ctx(tmp_path))
+    torch.testing.assert_close(logits(out), ref, atol=1e-5, rtol=0)
+
+
+def test_init_first_and_random_are_deterministic(tmp_path):
+    first = run(llama(), {"num_key_value_heads": 1, "init": "first"}, ctx(tmp_path))
+    src = llama().model.layers[0].self_attn.v_proj.weight[:16]
+    torch.testing.assert_close(first.model.layers[0].self_attn.v_proj.weight, src)
+    a = run(llama(), {"num_key_value_heads": 1, "init": "random"}, ctx(tmp_path, seed=7))
+    b = run(llama(), {"num_key_value_heads": 1, "init": "random"}, ctx(tmp_path, seed=7))
+    assert torch.equal(a.model.layers[0].self_attn.k_proj.weight, b.model.layers[0].self_attn.k_proj.weight)
+
+
+def test_saves_and_reloads_with_from_pretrained(tmp_path):
+    out = run(llama(kv_heads=4), {"num_key_value_heads": 1}, ctx(tmp_path))
+    out.save_pretrained(tmp_path / "m")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert again.config.num_key_value_heads == 1
+    torch.testing.assert_close(logits(again), logits(out))
+
+
+def test_bad_config_values():
+    with pytest.raises(ValidationError, match="num_key_value_heads\n  Input should be greater than 0"):
+        GQAConfig.model_validate({"num_key_value_heads": 0})
+    with pytest.raises(ValidationError, match="init\n  Input should be 'mean', 'first' or 'random'"):
+        GQAConfig.model_validate({"num_key_value_heads": 1, "init": "median"})
+    with pytest.raises(ValidationError, match="num_key_value_heads\n  Field required"):
+        GQAConfig.model_validate({})
+
+
+def test_g_not_dividing_lists_valid_values(tmp_path):
+    with pytest.raises(GQAError, match="num_key_value_heads=3 must divide the model's current 4 KV heads; valid values: 1, 2, 4"):
+        run(llama(kv_heads=4), {"num_key_value_heads": 3}, ctx(tmp_path))
+    with pytest.raises(GQAError, match="valid values: 1, 2, 4"):
+        run(llama(kv_heads=4), {"num_key_value_heads": 8}, ctx(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path):
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=V))
+    with pytest.raises(GQAError, match="architecture 'gpt2'.*not supported by the gqa stage; supported: llama"):
+        run(gpt2, {"num_key_value_heads": 1}, ctx(tmp_path))
+
+
+def test_heal_block_records_loss_curve(tmp_path):
+    c = ctx(tmp_path)
+    heal = {"steps": 3, "seq_len": 16, "batch_size": 1, "progress": False}
+    run(llama(kv_heads=4), {"num_key_value_heads": 1, "heal": heal}, c)
+    h = c.details["heal"]
+    assert h["mode"] == "distill" and h["steps"] == 3 and len(h["loss_curve"]) == 3
+    assert math.isfinite(h["loss_first"]) and math.isfinite(h["loss_last"])
+
+
+def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, ids.numel() - 1, window):
+            chunk = ids[s:s + window + 1]
+            if chunk.numel() < 2:
+                break
+            logits = model(input_ids=chunk[:-1].unsqueeze(0)).logits[0].float()
+            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+            n += chunk.numel() - 1
+    return math.exp(nll / n)
+
+
+@pytest.mark.slow
+def test_smollm2_three_kv_heads_to_one(smollm2_loaded, pydoc_splits, tmp_path):
+    ids = pydoc_splits.eval_ids[:2049]
+    model = copy.deepcopy(smollm2_loaded.model)
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (9, 3)
+    before = perplexity(model, ids)
+    c = ctx(tmp_path, train_ids=pydoc_splits.train_ids)
+    out = run(model, {"num_key_value_heads": 1}, c)
+    after = perplexity(out, ids)
+    print(f"\nSmolLM2-135M GQA 3->1 KV heads: perplexity {before:.2f} -> {after:.2f} (2048 pydoc tokens); "
+          f"KV cache {c.details['kv_cache_bytes_per_token_before']} -> "
+          f"{c.details['kv_cache_bytes_per_token_after']} bytes/token")
+    assert c.details["kv_cache_bytes_per_token_before"] == 2 * 30 * 3 * 64 * 4
+    assert c.details["kv_cache_bytes_per_token_after"] == 2 * 30 * 1 * 64 * 4
+    assert math.isfinite(after) and after > before
