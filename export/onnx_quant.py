@@ -1,0 +1,243 @@
+"""INT8 for ONNX Runtime: which nodes to quantize, and ORT's dynamic / static (QDQ) quantizers.
+
+Quantization is a target-side option of the ONNX exporter, not an eager stage: ORT's quantizer
+works on the exported graph, so it sees exactly the MatMuls ORT will run. By default only the
+*weight* MatMuls (a constant B input: q/k/v/o and MLP projections) are quantized. Attention
+MatMuls (Q@K^T, P@V) have two activation inputs and the embedding is a Gather; quantizing them
+is what ORTQuantizer's defaults do and most of its accuracy loss (see shared notes).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
+
+def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    return {out: node for node in graph.node for out in node.output}
+
+
+def lm_head_node(graph: onnx.GraphProto, logits: str = "logits") -> onnx.NodeProto | None:
+    """The MatMul/Gemm that produces ``logits`` (walking back through reshapes and casts)."""
+    prod = _producers(graph)
+    name, seen = logits, 0
+    while name in prod and seen < 16:
+        node = prod[name]
+        if node.op_type in ("MatMul", "Gemm"):
+            return node
+        name, seen = node.input[0], seen + 1
+    return None
+
+
+def weight_matmuls(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """MatMuls whose B input is an initializer: the Linear layers, never attention."""
+    inits = {i.name for i in graph.initializer}
+    consts = {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    return [n for n in graph.node if n.op_type == "MatMul" and (n.input[1] in inits or n.input[1] in consts)]
+
+
+def untie_lm_head(model: onnx.ModelProto) -> bool:
+    """Give a tied lm_head (``MatMul(x, Transpose(embedding))``) its own transposed initializer.
+
+    The quantizer only quantizes a MatMul with a constant B; after this the lm_head has one, and
+    the embedding Gather keeps the fp32 table. Returns whether anything changed.
+    """
+    g = model.graph
+    head = lm_head_node(g)
+    if head is None or head.op_type != "MatMul":
+        return False
+    prod = _producers(g)
+    tr = prod.get(head.input[1])
+    inits = {i.name: i for i in g.initializer}
+    if tr is None or tr.op_type != "Transpose" or tr.input[0] not in inits:
+        return False
+    w = numpy_helper.to_array(inits[tr.input[0]])
+    perm = [a.ints for a in tr.attribute if a.name == "perm"]
+    wt = np.ascontiguousarray(np.transpose(w, list(perm[0]) if perm else None))
+    name = tr.input[0] + ".lm_head_T"
+    g.initializer.append(numpy_helper.from_array(wt, name))
+    head.input[1] = name
+    if not any(tr.output[0] in n.input for n in g.node):
+        g.node.remove(tr)
+    return True
+
+
+def quantize_embedding_rows(model: onnx.ModelProto, input_name: str = "input_ids") -> str | None:
+    """Store the token-embedding table as int8 with one fp32 scale per row (symmetric).
+
+    ORT's quantizer has no per-row int8 Gather (its Gather quantization is per-tensor, which is
+    what hurts accuracy), so the table is rewritten as ``Gather(int8) * Gather(scale)``: the
+    lookup dequantizes only the rows it reads. Returns the rewritten node's name or None.
+    """
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    node = next((n for n in g.node if n.op_type == "Gather" and n.input[1] == input_name and n.input[0] in inits), None)
+    if node is None:
+        return None
+    table = numpy_helper.to_array(inits[node.input[0]]).astype(np.float32)
+    scale = np.maximum(np.abs(table).max(axis=1, keepdims=True), 1e-12) / 127.0
+    q = np.clip(np.rint(table / scale), -127, 127).astype(np.int8)
+    base = node.input[0] + ".int8"
+    g.initializer.extend([numpy_helper.from_array(q, base), numpy_helper.from_array(scale.astype(np.float32), base + ".scale")])
+    out = node.output[0]
+    new = [
+        onnx.helper.make_node("Gather", [base, input_name], [out + ".q"], name=node.name + "_q", axis=0),
+        onnx.helper.make_node("Gather", [base + ".scale", input_name], [out + ".s"], name=node.name + "_s", axis=0),
+        onnx.helper.make_node("Cast", [out + ".q"], [out + ".f"], name=node.name + "_cast", to=onnx.TensorProto.FLOAT),
+        onnx.helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=node.name + "_dq"),
+    ]
+    idx = list(g.node).index(node)
+    g.node.remove(node)
+    for k, n in enumerate(new):
+        g.node.insert(idx + k, n)
+    # The fp32 table may still feed a tied lm_head; drop it only when nothing reads it.
+    if not any(node.input[0] in n.input for n in g.node):
+        g.initializer.remove(inits[node.input[0]])
+    return node.name
+
+
+def module_path(node: onnx.NodeProto) -> str:
+    """The HF module a node came from (``model.layers.3.mlp.down_proj``), read from the name
+    scopes torch.onnx's dynamo exporter records; "" when the graph has none."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = json.loads(prop.value.replace("'", '"'))
+            except ValueError:
+                return ""
+            mods = [sc for sc in scopes if sc.startswith("model.")]
+            return mods[-1][len("model."):] if mods else ""
+    return ""
+
+
+def select_nodes(model: onnx.ModelProto, *, quantize_lm_head: bool, extra_exclude: Sequence[str],
+                 exclude_modules: Sequence[str] = ()) -> tuple[list[str], list[str]]:
+    """(MatMuls to quantize, every other MatMul) for ``nodes_to_exclude``. ``extra_exclude``
+    are node names; ``exclude_modules`` are fnmatch patterns over HF module paths."""
+    g = model.graph
+    weights = {n.name for n in weight_matmuls(g)
+               if not any(fnmatch.fnmatchcase(module_path(n), pat) for pat in exclude_modules)}
+    head = lm_head_node(g)
+    if head is not None and not quantize_lm_head:
+        weights.discard(head.name)
+    weights -= set(extra_exclude)
+    all_mm = [n.name for n in g.node if n.op_type == "MatMul"]
+    return sorted(weights), sorted(set(all_mm) - weights | set(extra_exclude))
+
+
+class WindowReader:
+    """A ``CalibrationDataReader`` over real-text token windows, each as a full prefill with an
+    empty past: the KV-cache graph then sees the same activations as a normal forward, and the
+    decode path uses the same quantized weights and activation ranges."""
+
+    def __init__(self, windows: Sequence[torch.Tensor], past_specs: dict[str, tuple[int, int]]):
+        self._windows = [torch.as_tensor(w, dtype=torch.long).reshape(-1) for w in windows]
+        self._past = past_specs  # name -> (kv_heads, head_dim)
+        self._it: Iterator[dict[str, np.ndarray]] | None = None
+
+    def _feeds(self) -> Iterator[dict[str, np.ndarray]]:
+        for w in self._windows:
+            t = int(w.numel())
+            feeds = {
+                "input_ids": w.numpy().reshape(1, t).astype(np.int64),
+                "attention_mask": np.ones((1, t), dtype=np.int64),
+                "position_ids": np.arange(t, dtype=np.int64).reshape(1, t),
+            }
+            for name, (h, d) in self._past.items():
+                feeds[name] = np.zeros((1, h, 0, d), dtype=np.float32)
+            yield feeds
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._it is None:
+            self._it = self._feeds()
+        return next(self._it, None)
+
+    def rewind(self) -> None:
+        self._it = None
+
+    def __len__(self) -> int:
+        return len(self._windows)
+
+
+def quantize(
+    src: Path,
+    dst: Path,
+    *,
+    mode: str,
+    per_channel: bool,
+    reduce_range: bool,
+    calibrate_method: str,
+    quantize_lm_head: bool,
+    quantize_embedding: bool,
+    nodes_to_exclude: Sequence[str],
+    exclude_modules: Sequence[str] = (),
+    calibration: Sequence[torch.Tensor],
+    past_specs: dict[str, tuple[int, int]],
+    external_data: bool,
+    work_dir: Path,
+) -> dict[str, Any]:
+    """Quantize the fp32 graph at ``src`` into ``dst`` with ORT's quantizer; returns details."""
+    from onnxruntime.quantization import (
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+
+    model = onnx.load(str(src))
+    untied = untie_lm_head(model) if quantize_lm_head else False
+    emb = quantize_embedding_rows(model) if quantize_embedding else None
+    include, exclude = select_nodes(model, quantize_lm_head=quantize_lm_head, extra_exclude=nodes_to_exclude,
+                                      exclude_modules=exclude_modules)
+    prepped = work_dir / "prepped.onnx"
+    onnx.save(model, str(prepped), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=prepped.name + ".data", size_threshold=1024)
+    del model
+    if not include:
+        raise ValueError("no weight MatMul left to quantize (check nodes_to_exclude)")
+    common = dict(
+        nodes_to_quantize=include,
+        per_channel=per_channel,
+        reduce_range=reduce_range,
+        op_types_to_quantize=["MatMul"],
+        nodes_to_exclude=exclude,
+        use_external_data_format=external_data,
+        extra_options={"MatMulConstBOnly": True},
+    )
+    if mode == "dynamic":
+        quantize_dynamic(prepped, dst, weight_type=QuantType.QInt8, **common)
+    else:
+        methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                   "percentile": CalibrationMethod.Percentile}
+        quantize_static(
+            prepped,
+            dst,
+            WindowReader(calibration, past_specs),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            calibrate_method=methods[calibrate_method],
+            calibration_providers=["CPUExecutionProvider"],
+            **common,
+        )
+    return {
+        "mode": mode,
+        "per_channel": per_channel,
+        "reduce_range": reduce_range,
+        "calibrate_method": calibrate_method if mode == "static" else None,
+        "calibration_windows": len(calibration) if mode == "static" else 0,
+        "calibration_tokens": int(sum(int(w.numel()) for w in calibration)) if mode == "static" else 0,
+        "quantized_matmuls": len(include),
+        "fp32_matmuls": len(exclude),
+        "excluded_modules": list(exclude_modules),
+        "lm_head": "int8" if (quantize_lm_head and (untied or include)) else "fp32",
+        "embedding": "int8 per-row" if emb else "fp32",
+    }
