@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import yaml
 
@@ -18,7 +19,8 @@ def test_schema_prints_json_schema(capsys):
 def test_ls_stages_lists_kinds_with_descriptions(capsys):
     assert main(["ls", "stages"]) == 0
     out = capsys.readouterr().out
-    assert "ptq_int8" in out and "test_noise  Add Gaussian weight noise" in out
+    assert re.search(r"^ptq_int8\s+\S", out, re.M)
+    assert re.search(r"^test_noise\s+Add Gaussian weight noise", out, re.M)
 
 
 def test_ls_targets(capsys):
