@@ -76,6 +76,21 @@ class Ptq8Config(StageConfig):
         description="how weight scales are chosen: affine (min/max, fast) or hqq_scale_only (HQQ-optimised "
         "scales, as ExecuTorch's LLM export uses; helped 8da4w, hurt 8da8w on SmolLM2; ~3x slower to quantize)",
     )
+    size_budget_mb: float | None = Field(
+        None,
+        gt=0,
+        description="mixed precision by budget: keep the most sensitive candidate groups fp32 (scored by "
+        "fake-quant KL on calibration text) while the estimated weight size stays within this many MB",
+    )
+    budget_candidates: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="size_budget_mb only: module patterns, each one candidate group (e.g. 'model.layers.0', "
+        "'*.down_proj'); default every block, every projection type and lm_head",
+    )
+    budget_windows: int = Field(
+        2, ge=1, le=64, description="size_budget_mb only: calibration windows the sensitivity scoring runs"
+    )
     modules: list[str] | None = Field(
         None,
         min_length=1,
@@ -118,6 +133,8 @@ class Ptq8Config(StageConfig):
             )
         if self.quantize_embedding != "int4" and self.embedding_group_size is not None:
             raise ValueError("embedding_group_size applies only to quantize_embedding: int4")
+        if self.size_budget_mb is None and self.budget_candidates is not None:
+            raise ValueError("budget_candidates applies only with size_budget_mb")
         if self.quantize_embedding and "embeddings" in self.keep_high_precision:
             raise ValueError(
                 "quantize_embedding conflicts with keep_high_precision containing 'embeddings'; drop one"
@@ -238,6 +255,23 @@ def _common_groups(widths: list[int]) -> list[int]:
     return [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
 
 
+def _budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: dict) -> dict:
+    """Move the most sensitive groups from ``p['selected']`` to ``p['kept']`` within the size budget."""
+    from optimize.quant.mixed import budget_keep
+
+    if not ctx.calibration:
+        raise ValueError("ptq_int8: size_budget_mb needs calibration text to score sensitivity")
+    algorithm = "hqq" if cfg.weight_qparams == "hqq_scale_only" else "rtn"
+    plan, scored = budget_keep(model, p["selected"], ctx.calibration[: cfg.budget_windows], cfg.scheme,
+                               cfg.effective_group_size, cfg.size_budget_mb, cfg.budget_candidates, algorithm)
+    keep = set(plan.kept)
+    p["selected"] = [n for n in p["selected"] if n not in keep]
+    p["kept"] = sorted(set(p["kept"]) | keep)
+    if not p["selected"]:
+        raise ValueError("ptq_int8: the size budget keeps every layer fp32; nothing is left to quantize")
+    return {**plan.as_details(), "sensitivity_top": scored[:12]}
+
+
 @register_stage("ptq_int8", Ptq8Config)
 def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), dynamic activations, no calibration."""
@@ -248,6 +282,7 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     was_tied = is_tied(in_emb, out_emb)
 
+    budget = _budget_plan(model, cfg, ctx, p) if cfg.size_budget_mb is not None else None
     selected = set(p["selected"])
     quantize_(model, linear_config(cfg), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
     if p["embedding"] is not None:
@@ -271,6 +306,8 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
             "untied_embeddings": untied,
         }
     )
+    if budget is not None:
+        ctx.details["mixed_precision"] = budget
     if p["conv1d_skipped"]:
         ctx.details["conv1d_kept_fp32"] = p["conv1d_skipped"]
     ctx.log(

@@ -26,6 +26,8 @@ EXAMPLES: dict[str, tuple[dict, dict | None]] = {
     "gqa": ({"num_key_value_heads": 1}, None),
     "smoothquant": ({"alpha": 0.5}, None),
     "awq": ({"rows": 32}, None),
+    "distill": ({"steps": 2, "seq_len": 32, "temperature": 2.0, "alpha": 0.1}, None),
+    "qat": ({"scheme": "8da4w", "steps": 2, "seq_len": 32}, None),
 }
 
 
