@@ -1,23 +1,39 @@
 """A short healing run after a lossy rewrite: distil from the pre-rewrite model (KL to the
 teacher's next-token distribution) or plain next-token fine-tuning on ``ctx.train_ids``.
 
-Deliberately small and self-contained so it can be swapped for the shared training loop in
-``train/`` later; the stages only call :func:`heal` with a :class:`HealConfig`.
-Training runs with the model in eval mode (dropout off): a few hundred steps of repair are
-not pre-training, and it keeps the run deterministic for a given seed.
+Runs on the shared loop (:func:`train.loop.train`); :func:`train_in_place` is the adapter
+every pipeline stage that trains (heal, ``distill``, ``qat``) goes through, so the stage
+contract holds for all of them: the model is trained in place, comes back in the mode and
+``requires_grad`` state it arrived in, with no gradients, no checkpoints written and the
+HF ``use_cache`` flag restored.
+Dropout is kept off (eval mode) while training: a few hundred steps of repair are not
+pre-training, and it keeps the run deterministic for a given seed.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from typing import Callable, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
+from optimize.losses import distill_loss_fn
 from targets.config_base import Strict
+from train.config import (
+    BatchConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    LoopConfig,
+    MemoryConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ScheduleConfig,
+)
+from train.loop import causal_lm_loss
 
 
 class HealConfig(Strict):
@@ -41,31 +57,131 @@ class HealError(ValueError):
     """Healing cannot run as configured."""
 
 
-def _batches(train_ids: torch.Tensor, cfg: HealConfig, gen: torch.Generator):
+def check_tokens(train_ids: torch.Tensor, seq_len: int, windows: int, who: str) -> None:
+    """The loop packs non-overlapping ``seq_len + 1`` windows and needs one step batch of them."""
     n = int(train_ids.numel())
-    need = cfg.seq_len + 1
+    need = seq_len + 1
     if n < need:
-        raise HealError(f"heal needs at least seq_len+1={need} training tokens; ctx.train_ids has {n}")
-    for _ in range(cfg.steps):
-        starts = torch.randint(0, n - need + 1, (cfg.batch_size,), generator=gen)
-        yield torch.stack([train_ids[s : s + need] for s in starts.tolist()])
+        raise HealError(f"{who} needs at least seq_len+1={need} training tokens; ctx.train_ids has {n}")
+    have = (n - 1) // seq_len
+    if have < windows:
+        raise HealError(
+            f"{who}: ctx.train_ids ({n} tokens) holds {have} windows of seq_len={seq_len}, fewer than the "
+            f"{windows} one optimizer step needs (batch x accumulation); lower seq_len or the batch"
+        )
 
 
-def _loss(model, teacher, batch: torch.Tensor, cfg: HealConfig) -> torch.Tensor:
-    inputs = batch[:, :-1]
-    logits = model(input_ids=inputs).logits.float()
-    if cfg.mode == "lm":
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-    with torch.no_grad():
-        t_logits = teacher(input_ids=inputs).logits.float()
-    t = cfg.temperature
-    s_log = F.log_softmax(logits / t, dim=-1).reshape(-1, logits.shape[-1])
-    t_log = F.log_softmax(t_logits / t, dim=-1).reshape(-1, logits.shape[-1])
-    return F.kl_div(s_log, t_log, log_target=True, reduction="batchmean") * (t * t)
+def _device_of(model: nn.Module) -> Literal["cpu", "cuda"]:
+    p = next(model.parameters(), None)
+    return "cuda" if p is not None and p.device.type == "cuda" else "cpu"
+
+
+def _eval_mode(loss_fn):
+    """The loop puts the model in train mode; switch dropout back off before every forward."""
+
+    def wrapped(model, batch):
+        model.eval()
+        return loss_fn(model, batch)
+
+    return wrapped
+
+
+def _unwrap_checkpoints(model: nn.Module) -> int:
+    """Undo the loop's activation-checkpoint wrappers: left in place, later stages, rewrites,
+    resume and export would see a different module tree (and recompute on every forward)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, CheckpointWrapper):
+                parent.register_module(name, child._checkpoint_wrapped_module)
+                count += 1
+    return count
+
+
+def train_in_place(
+    model: nn.Module,
+    train_ids: torch.Tensor,
+    loss_fn,
+    *,
+    steps: int,
+    seq_len: int,
+    optimizer: OptimizerConfig,
+    schedule: ScheduleConfig,
+    batch: BatchConfig,
+    grad_clip: float | None,
+    precision: PrecisionConfig | None = None,
+    memory: MemoryConfig | None = None,
+    seed: int = 0,
+    progress: bool = False,
+    who: str = "train",
+) -> dict:
+    """Train ``model`` in place with :func:`train.loop.train`; returns loss/tokens facts.
+
+    ``loss_fn=None`` is next-token cross-entropy. No checkpoint or export is written (the
+    pipeline owns artifacts); the loop's scratch directory is temporary."""
+    from train.loop import train
+
+    check_tokens(train_ids, seq_len, batch.effective_per_rank, who)
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    was_training = model.training
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="optimize-train-") as scratch:
+        loop = LoopConfig(
+            output_dir=scratch,
+            max_steps=steps,
+            seed=seed,
+            data_seed=seed,
+            device=_device_of(model),
+            grad_clip=grad_clip,
+            batch=batch,
+            optimizer=optimizer,
+            schedule=schedule,
+            precision=precision or PrecisionConfig(),
+            memory=memory or MemoryConfig(),
+            checkpoint=CheckpointConfig(resume=False, save_final=False, export_hf=False),
+            logging=LoggingConfig(progress_bar=progress, csv=False),
+        )
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                for p in model.parameters():
+                    p.requires_grad_(True)
+                result = train(model, train_ids.long(), loop, _eval_mode(loss_fn or causal_lm_loss), seq_len=seq_len)
+        finally:
+            _unwrap_checkpoints(model)
+            for n, p in model.named_parameters():
+                p.requires_grad_(grads.get(n, True))
+                p.grad = None
+            model.train(was_training)
+            if use_cache is not None:
+                config.use_cache = use_cache
+    if result.model is not model:
+        raise HealError(f"{who}: the training loop returned a different module (LoRA/FSDP are not used in stages)")
+    losses = [result.losses[k] for k in sorted(result.losses)]
+    bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
+    if bad:
+        raise HealError(f"{who} loss became {losses[bad[0]]} at step {bad[0]}; lower the learning rate")
+    k = min(5, len(losses))
+    stride = max(1, len(losses) // 50)
+    return {
+        "steps": steps,
+        "lr": optimizer.lr,
+        "seq_len": seq_len,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "loss_first5_mean": sum(losses[:k]) / k,
+        "loss_last5_mean": sum(losses[-k:]) / k,
+        "loss_curve": losses[::stride],
+        "tokens_seen": int(result.tokens),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def heal(
-    model: torch.nn.Module,
+    model: nn.Module,
     cfg: HealConfig,
     train_ids: torch.Tensor,
     *,
@@ -74,60 +190,25 @@ def heal(
     log: Callable[[str], None] = print,
 ) -> dict:
     """Train ``model`` in place; returns JSON-serializable facts (loss curve ends, settings)."""
-    from tqdm.auto import tqdm
-
     if cfg.mode == "distill" and teacher is None:
         raise HealError("heal mode 'distill' needs a teacher model")
     if teacher is not None:
         teacher.eval()
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    was_training = model.training
-    grads = {n: p.requires_grad for n, p in model.named_parameters()}
-    params = [p for p in model.parameters()]
-    losses: list[float] = []
-    t0 = time.perf_counter()
-    with torch.inference_mode(False), torch.enable_grad():
-        for p in params:
-            p.requires_grad_(True)
-        model.eval()
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        warm = max(cfg.warmup_steps, 0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warm + 1)))
-        bar = tqdm(_batches(train_ids.long(), cfg, gen), total=cfg.steps, desc=f"heal ({cfg.mode})",
-                   disable=not cfg.progress)
-        try:
-            for batch in bar:
-                loss = _loss(model, teacher, batch, cfg)
-                if not math.isfinite(loss.item()):
-                    raise HealError(f"heal loss became {loss.item()} at step {len(losses)}; lower heal.lr")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
-                sched.step()
-                losses.append(float(loss.item()))
-                bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        finally:
-            bar.close()
-            opt.zero_grad(set_to_none=True)
-            for n, p in model.named_parameters():
-                p.requires_grad_(grads.get(n, True))
-            model.train(was_training)
-    k = min(5, len(losses))
-    stride = max(1, len(losses) // 50)
-    out = {
-        "mode": cfg.mode,
-        "steps": cfg.steps,
-        "lr": cfg.lr,
-        "seq_len": cfg.seq_len,
-        "batch_size": cfg.batch_size,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-        "loss_first5_mean": sum(losses[:k]) / k,
-        "loss_last5_mean": sum(losses[-k:]) / k,
-        "loss_curve": losses[::stride],
-        "wall_s": round(time.perf_counter() - t0, 2),
-    }
+    loss_fn = distill_loss_fn(teacher, cfg.temperature) if cfg.mode == "distill" else None
+    facts = train_in_place(
+        model,
+        train_ids,
+        loss_fn,
+        steps=cfg.steps,
+        seq_len=cfg.seq_len,
+        optimizer=OptimizerConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999)),
+        schedule=ScheduleConfig(warmup_steps=cfg.warmup_steps, decay="constant"),
+        batch=BatchConfig(micro_batch_size=cfg.batch_size),
+        grad_clip=cfg.max_grad_norm,
+        seed=seed,
+        progress=cfg.progress,
+        who="heal",
+    )
+    out = {"mode": cfg.mode, "batch_size": cfg.batch_size, **facts}
     log(f"heal ({cfg.mode}): loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} in {cfg.steps} steps")
     return out

@@ -77,3 +77,16 @@ def test_errors():
         HealConfig(lr=0)
     with pytest.raises(ValidationError, match="mode\n  Input should be 'distill' or 'lm'"):
         HealConfig(mode="kd")
+
+
+def test_heal_runs_on_the_shared_loop_and_restores_the_model():
+    m = tiny()
+    m.config.use_cache = True
+    frozen = m.model.embed_tokens.weight
+    frozen.requires_grad_(False)
+    facts = heal(m, HealConfig(mode="lm", steps=3, seq_len=16, batch_size=2, progress=False), TRAIN, log=lambda s: None)
+    assert facts["tokens_seen"] == 3 * 2 * 16  # counted by train.loop
+    assert m.config.use_cache is True  # the loop turns the KV cache off while training; heal restores it
+    assert frozen.requires_grad is False and all(p.grad is None for p in m.parameters())
+    with pytest.raises(HealError, match="holds 1 windows of seq_len=16, fewer than the 2"):
+        heal(m, HealConfig(mode="lm", steps=1, seq_len=16, batch_size=2, progress=False), TRAIN[:20])
