@@ -15,7 +15,17 @@ import torch
 from export.runtime import Runner, RunnerError
 
 #: metadata methods the exporter writes; read back here (TorchChat / ExecuTorch runners read them too)
-META_METHODS = ("get_max_seq_len", "get_max_prefill_chunk", "get_vocab_size", "get_bos_id", "get_eos_ids")
+META_METHODS = (
+    "get_max_seq_len",
+    "get_max_context_len",
+    "get_max_prefill_chunk",
+    "get_vocab_size",
+    "get_bos_id",
+    "get_eos_ids",
+    "use_kv_cache",
+    "enable_dynamic_shape",
+    "tokenizer_type",
+)
 
 
 def set_threads(n: int) -> int:

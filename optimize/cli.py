@@ -20,19 +20,24 @@ import warnings
 from pathlib import Path
 
 
+class _DropNoise(logging.Filter):
+    """Known-harmless third-party noise on CPU machines."""
+
+    PATTERNS = ("Failed to load", "Enum subclass", "Detected no triton")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not any(p in msg for p in self.PATTERNS)
+
+
 def _quiet_third_party() -> None:
-    """Drop known-harmless noise: torchao's CUDA-extension load failures on CPU, pytree notes."""
+    """Drop torchao's CUDA-extension load failures and triton notes, and pytree deprecations.
+    Filters go on the root handlers: records propagated from child loggers skip logger filters."""
     warnings.filterwarnings("ignore", message=".*Enum subclass.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-    class _DropNoise(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            msg = record.getMessage()
-            return not (msg.startswith("Failed to load") and ".so" in msg) and "Enum subclass" not in msg
-
-    for name in ("torchao", "torch.utils._pytree", "root", ""):
-        logging.getLogger(name).addFilter(_DropNoise())
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_DropNoise())
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -180,9 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not args.verbose:
         _quiet_third_party()
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from optimize.errors import ConfigError
 
     known: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError)
