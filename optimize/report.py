@@ -134,10 +134,12 @@ def render_plot(report: Report, path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, attr, label in ((axes[0], "size_mb", "size (MiB)"), (axes[1], "decode_tok_s", "decode (tokens/s)")):
         pts = [(getattr(r.metrics, attr), r.metrics.perplexity, r) for r in rows if getattr(r.metrics, attr) is not None]
-        for x, y, r in pts:
+        for k, (x, y, r) in enumerate(pts):
             color = "tab:red" if r.status in ("fail", "error") else ("tab:orange" if r.status == "warn" else "tab:blue")
             ax.scatter([x], [y], color=color, zorder=3)
-            ax.annotate(f"{r.name} ({r.runtime})", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            # stagger labels so neighbouring points (a stage and its export) stay readable
+            ax.annotate(f"{r.name} ({r.runtime})", (x, y), textcoords="offset points",
+                        xytext=(4, 4 - 12 * (k % 3)), fontsize=8)
         if len(pts) > 1:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.7", lw=1, zorder=1)
         ax.set_xlabel(label)
