@@ -32,7 +32,7 @@ def generate_from_artifact(
     runner = exporter_for_artifact(artifact).load(artifact)
     if chat and getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        if isinstance(ids, dict):
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding, not a list of ids
             ids = ids["input_ids"]
     else:
         ids = tok(prompt, add_special_tokens=True)["input_ids"]
