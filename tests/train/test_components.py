@@ -9,7 +9,7 @@ from train import checkpoint as ckpt
 from train.batching import MicroBatchPlan, is_oom
 from train.config import BatchConfig, MemoryConfig, OptimizerConfig
 from train.data import PackedWindows, ResumableBatchSampler, make_loader, split_micro
-from train.memory import apply_activation_checkpointing, peak_memory_mib, reset_peak_memory, transformer_blocks
+from train.memory import apply_activation_checkpointing, transformer_blocks
 from train.optim import build_optimizer, lr_lambda
 
 
