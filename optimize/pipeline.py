@@ -173,22 +173,10 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
             row.metrics = _measure_eager(state, model, timed=not state.quantized or state.profile is None
                                          or cfg.checks.latency.eager_quantized)
         except Exception as exc:  # a broken stage stops the run; earlier work is kept
-            row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
-            row.wall_s = time.perf_counter() - t0
-            report.rows.append(row)
-            report.ok, report.stopped_at = False, label
-            log.exception("stage %s failed", label)
-            say(f"stage {label} failed: {row.error}; last good model kept at {report.last_good_artifact}")
+            _record_error(report, row, exc, t0, say)
             bar.close()
             return
-        gates = cfg.gates.merged_with(stage_cfg.gates)
-        row.gates = evaluate_gates(gates, row.metrics, state.baseline_metrics)
-        row.status = _status(row.gates, gates)
-        row.wall_s = time.perf_counter() - t0
-        report.rows.append(row)
-        if row.status == "fail":
-            report.ok, report.stopped_at = False, label
-            say(f"stage {label} failed its gates: " + "; ".join(g.message for g in row.gates if not g.ok))
+        if not _record_gated(report, row, cfg.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
             bar.close()
             return
         row.artifact = str(dirs[i])
@@ -214,6 +202,29 @@ def _restores(cfg: PipelineConfigBase, upto: int) -> list[Callable[[torch.nn.Mod
         if spec.restore is not None:
             out.append(lambda m, s=spec, c=stage_cfg: s.restore(m, c))
     return out
+
+
+def _record_error(report: Report, row: StageRow, exc: Exception, t0: float, say) -> None:
+    """A stage or export raised: record it, stop the run, keep the last good model."""
+    row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
+    row.wall_s = time.perf_counter() - t0
+    report.rows.append(row)
+    report.ok, report.stopped_at = False, row.name
+    log.exception("%s failed", row.name)
+    say(f"{row.name} failed: {row.error}; last good model kept at {report.last_good_artifact}")
+
+
+def _record_gated(report: Report, row: StageRow, gates: GatesConfig, baseline: Metrics, t0: float, say) -> bool:
+    """Evaluate the row's gates and append it; False when a failed gate stops the run."""
+    row.gates = evaluate_gates(gates, row.metrics, baseline)
+    row.status = _status(row.gates, gates)
+    row.wall_s = time.perf_counter() - t0
+    report.rows.append(row)
+    if row.status != "fail":
+        return True
+    report.ok, report.stopped_at = False, row.name
+    say(f"{row.name} failed its gates: " + "; ".join(g.message for g in row.gates if not g.ok))
+    return False
 
 
 def _status(results, gates: GatesConfig) -> str:
@@ -286,22 +297,10 @@ def _export(state: _RunState, model: torch.nn.Module, report: Report) -> None:
         row.metrics = m
         runner.close()
     except Exception as exc:
-        row.status, row.error = "error", f"{type(exc).__name__}: {exc}"
-        row.wall_s = time.perf_counter() - t0
-        report.rows.append(row)
-        report.ok, report.stopped_at = False, label
-        log.exception("export failed")
-        state.say(f"{label} failed: {row.error}; last good model kept at {report.last_good_artifact}")
+        _record_error(report, row, exc, t0, state.say)
         return
     gates = cfg.gates.merged_with(_budget_gates(profile))
-    row.gates = evaluate_gates(gates, row.metrics, state.baseline_metrics)
-    row.status = _status(row.gates, gates)
-    row.wall_s = time.perf_counter() - t0
-    report.rows.append(row)
-    if row.status == "fail":
-        report.ok, report.stopped_at = False, label
-        state.say(f"{label} failed its gates: " + "; ".join(g.message for g in row.gates if not g.ok))
-    else:
+    if _record_gated(report, row, gates, state.baseline_metrics, t0, state.say):
         report.last_good_artifact = str(result.artifact)
 
 
