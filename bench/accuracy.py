@@ -11,7 +11,7 @@ from the span right after it (never evaluated). The model is prepared with the r
 Exports are cached under ``--work-dir`` by row, so a re-run only measures. ``--quick``
 keeps five rows and 1024 tokens.
 
-    .venv/bin/python bench/accuracy.py [--quick] [--rows a,b] [--out /tmp/bench_accuracy.txt]
+    .venv/bin/python bench/accuracy.py [--quick] [--rows "a;b"] [--out /tmp/bench_accuracy.txt]
 """
 
 from __future__ import annotations
@@ -43,34 +43,47 @@ class Row:
     note: str = ""
 
 
+ET = {"quantize": "none", "max_seq_len": 512}
+GPTQ = {"algorithm": "gptq", "gptq": {"scale_init": "mse", "calibration_windows": 8}}
+AWQ = {"kind": "awq", "scheme": "8da4w", "keep_high_precision": []}
+PLAIN_4BIT = "8da4w g32 RTN, all Linear (plain)"
 ROWS = [
     Row("fp32", "eager"),
-    Row("8da4w g32 RTN, lm_head fp32", "executorch",
-        [{"kind": "ptq_int8", "scheme": "8da4w", "group_size": 32}], {"quantize": "none", "max_seq_len": 512},
-        "plain round-to-nearest (the peer's recipe, lm_head kept)"),
-    Row("8da4w g32 AWQ+HQQ, lm_head fp32", "executorch",
-        [{"kind": "awq", "scheme": "8da4w", "weight_qparams": "hqq_scale_only"},
-         {"kind": "ptq_int8", "scheme": "8da4w", "group_size": 32, "weight_qparams": "hqq_scale_only"}],
-        {"quantize": "none", "max_seq_len": 512}, "AWQ scales folded into norms + HQQ scale search"),
-    Row("8da4w g32 AWQ, lm_head fp32", "executorch",
-        [{"kind": "awq", "scheme": "8da4w"}, {"kind": "ptq_int8", "scheme": "8da4w", "group_size": 32}],
-        {"quantize": "none", "max_seq_len": 512}, "AWQ scales folded into norms, then round-to-nearest"),
-    Row("8da4w g32 HQQ, lm_head fp32", "executorch",
-        [{"kind": "ptq_int8", "scheme": "8da4w", "group_size": 32, "weight_qparams": "hqq_scale_only"}],
-        {"quantize": "none", "max_seq_len": 512}),
-    Row("8da8w", "executorch", [{"kind": "ptq_int8", "scheme": "8da8w"}], {"quantize": "none", "max_seq_len": 512}),
-    Row("int8 dynamic RTN (weight MatMuls)", "onnxruntime", [], {"quantize": "dynamic"},
-        "plain ORT dynamic int8; lm_head, embedding, attention matmuls fp32"),
-    Row("int8 dynamic + SmoothQuant", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.5}], {"quantize": "dynamic"},
-        "ORT dynamic quantizes each activation per tensor: outliers are what SmoothQuant removes"),
-    Row("int8 static QDQ", "onnxruntime", [], {"quantize": "static"}, "plain static, minmax"),
-    Row("int8 static QDQ + SmoothQuant", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.5}],
-        {"quantize": "static"}),
-    Row("int8 static QDQ + SmoothQuant, emb+head int8", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.5}],
-        {"quantize": "static", "quantize_lm_head": True, "quantize_embedding": True}, "the size-goal configuration"),
+    # ---- ExecuTorch / XNNPACK, 4-bit weights
+    Row(PLAIN_4BIT, "executorch", [{"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": []}], ET,
+        "the peer's recipe (optimum-executorch 8da4w): every Linear int4 round-to-nearest; the decode baseline"),
+    Row("8da4w g32 RTN, lm_head fp32", "executorch", [{"kind": "ptq_int8", "scheme": "8da4w"}], ET,
+        "round-to-nearest with the most sensitive layer kept fp32"),
+    Row("8da4w g32 GPTQ, all Linear", "executorch",
+        [{"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], **GPTQ}], ET,
+        "GPTQ alone (act-order, MSE-clipped static group scales): same layout and bytes as the plain row"),
+    Row("8da4w g32 AWQ+GPTQ, all Linear", "executorch",
+        [AWQ, {"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], **GPTQ}], ET,
+        "AWQ scales folded into the norms, then GPTQ: same layout and bytes as the plain row"),
+    Row("8da4w g32 AWQ+GPTQ, lm_head 8da8w", "executorch",
+        [AWQ, {"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], "int8_modules": ["lm_head"], **GPTQ}],
+        ET, "the output projection int8, listed by hand"),
+    Row("8da4w g32 AWQ+GPTQ, budget decode +10%", "executorch",
+        [AWQ, {"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], "max_decode_slowdown_pct": 10, **GPTQ}],
+        ET, "sensitive groups promoted to 8da8w automatically while the estimated decode cost stays within +10%"),
+    # ---- ExecuTorch, 8-bit
+    Row("8da8w RTN, lm_head fp32", "executorch", [{"kind": "ptq_int8", "scheme": "8da8w"}], ET),
+    # ---- ONNX Runtime, W8A8
+    Row("ORT int8 dynamic (ORT quantizer)", "onnxruntime", [], {"quantize": "dynamic"},
+        "plain ORT dynamic int8 on the weight MatMuls; lm_head, embedding, attention fp32"),
+    Row("ORT int8 static QDQ minmax", "onnxruntime", [], {"quantize": "static"}, "plain static, minmax calibration"),
+    Row("ORT int8 static QDQ percentile + SmoothQuant 0.7", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.7}],
+        {"quantize": "static", "calibrate_method": "percentile"}, "calibrated per-tensor ranges, clipped at the 99.999th percentile"),
+    Row("ORT int8 dynamic + SmoothQuant 0.7", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.7}],
+        {"quantize": "dynamic"}, "per-tensor activations: SmoothQuant moves the channel outliers into the weights"),
+    Row("ORT W8A8 per-token + SmoothQuant 0.5", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.5}],
+        {"quantize": "dynamic_per_token"}, "one activation scale per token (8da8w arithmetic in standard ONNX ops)"),
+    Row("ORT W8A8 per-token + SmoothQuant 0.5, head+emb int8", "onnxruntime", [{"kind": "smoothquant", "alpha": 0.5}],
+        {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True},
+        "the size-goal configuration: every weight int8"),
 ]
-QUICK = ["fp32", "8da4w g32 AWQ, lm_head fp32", "8da4w g32 RTN, lm_head fp32",
-         "int8 dynamic + SmoothQuant", "int8 dynamic RTN (weight MatMuls)"]
+QUICK = ["fp32", PLAIN_4BIT, "8da4w g32 AWQ+GPTQ, all Linear", "ORT int8 dynamic (ORT quantizer)",
+         "ORT W8A8 per-token + SmoothQuant 0.5, head+emb int8"]
 
 
 def _prepare(model, row: Row, calib, tokenizer, work: Path, log):
@@ -96,7 +109,10 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_")[:60]
 
 
-def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, prompt, work: Path, log) -> dict:
+def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, prompt, work: Path, log,
+                prev: dict | None = None) -> dict:
+    """Export (unless cached), then accuracy through the runtime and latency. ``prev`` (a row of an
+    earlier run's JSON) supplies the accuracy figures, so only latency is measured again."""
     from export.atomic import atomic_write_json
     from export.base import get_exporter
     from export.runtime import EagerRunner
@@ -121,34 +137,49 @@ def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, promp
         size = info.get("size_bytes") or 0
         artifact = out / info.get("artifact", "model.onnx" if row.runtime == "onnxruntime" else "model.pte")
         runner = exporter.load(artifact, threads=THREADS) if row.runtime == "executorch" else exporter.load(artifact)
-    acc = evaluate(runner, windows, baseline, desc=row.name)
-    lat = latency(runner, prompt, DECODE, runs=3, warmup=1)
-    return {"name": row.name, "runtime": row.runtime, "perplexity": acc.perplexity, "top1": acc.top1_agreement,
-            "kl": acc.kl_divergence, "tokens": acc.tokens, "size_mb": size / 1e6, "decode_tok_s": lat["decode_tok_s"],
+    if prev is not None and prev.get("tokens") == sum(int(w.numel()) - 1 for w in windows):
+        acc = {k: prev[k] for k in ("perplexity", "top1", "kl", "tokens")}
+    else:
+        r = evaluate(runner, windows, baseline, desc=row.name)
+        acc = {"perplexity": r.perplexity, "top1": r.top1_agreement, "kl": r.kl_divergence, "tokens": r.tokens}
+    lat = latency(runner, prompt, DECODE, runs=5, warmup=1)
+    if (out / "prepare.json").exists() and not details:
+        details = json.loads((out / "prepare.json").read_text())
+    return {"name": row.name, "runtime": row.runtime, **acc, "size_mb": size / 1e6, "decode_tok_s": lat["decode_tok_s"],
             "prefill_ms": lat["prefill_ms"], "note": row.note, "details": details, "wall_s": time.perf_counter() - t0}
 
 
 def table(results: list[dict], fp32_ppl: float, fp32_size: float) -> str:
-    lines = ["| scheme | runtime | ppl | Δ% vs fp32 | top-1 | KL | size MB (x fp32) | decode tok/s | prefill-128 ms |",
+    """Ratios: size against fp32; decode against the plain 8da4w .pte and prefill against fp32 eager,
+    both measured in this run."""
+    ok = {r["name"]: r for r in results if "error" not in r}
+    plain_dec = ok.get(PLAIN_4BIT, {}).get("decode_tok_s")
+    fp32_pf = ok.get("fp32", {}).get("prefill_ms")
+    lines = ["| scheme | runtime | ppl | Δ% vs fp32 | top-1 | KL | size MB (x fp32) | decode tok/s (x plain 8da4w) "
+             "| prefill-128 ms (x fp32) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['runtime']} | failed: {r['error'][:120]} | | | | | | |")
             continue
+        dec = f"{r['decode_tok_s']:.1f}" + (f" ({r['decode_tok_s'] / plain_dec:.2f}x)" if plain_dec else "")
+        pf = f"{r['prefill_ms']:.0f}" + (f" ({r['prefill_ms'] / fp32_pf:.2f}x)" if fp32_pf else "")
         lines.append(
             f"| {r['name']} | {r['runtime']} | {r['perplexity']:.2f} | {100 * (r['perplexity'] / fp32_ppl - 1):+.1f} | "
-            f"{r['top1']:.3f} | {r['kl']:.4f} | {r['size_mb']:.0f} ({r['size_mb'] / fp32_size:.2f}x) | "
-            f"{r['decode_tok_s']:.1f} | {r['prefill_ms']:.0f} |")
+            f"{r['top1']:.3f} | {r['kl']:.4f} | {r['size_mb']:.0f} ({r['size_mb'] / fp32_size:.2f}x) | {dec} | {pf} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="five rows, 1024 evaluation tokens")
-    ap.add_argument("--rows", default=None, help="comma-separated row names (default: all, or the quick set)")
+    ap.add_argument("--rows", default=None, help="row names separated by ';' (default: all, or the quick set)")
     ap.add_argument("--tokens", type=int, default=None, help="evaluation tokens (default 4096, quick 1024)")
     ap.add_argument("--work-dir", default="/tmp/bench_accuracy", help="export cache")
     ap.add_argument("--out", default="/tmp/bench_accuracy.txt", help="where the table (and JSON) is written")
+    ap.add_argument("--reuse-accuracy", default=None,
+                    help="JSON of an earlier run: its rows keep their accuracy figures and only latency is re-measured "
+                    "(for a quiet-machine latency pass over cached exports)")
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
 
@@ -159,7 +190,7 @@ def main(argv=None) -> int:
     from train.corpus import windows as cut
     from train.sources import BundledSource, load_model
 
-    names = args.rows.split(",") if args.rows else (QUICK if args.quick else [r.name for r in ROWS])
+    names = [n.strip() for n in args.rows.split(";") if n.strip()] if args.rows else (QUICK if args.quick else [r.name for r in ROWS])
     unknown = [n for n in names if n not in {r.name for r in ROWS}]
     if unknown:
         ap.error(f"unknown rows {unknown}; known: {[r.name for r in ROWS]}")
@@ -177,26 +208,29 @@ def main(argv=None) -> int:
     splits = split_corpus(ids, eval_tokens=4096, calib_tokens=4096)  # eval span is always the reference 4097
     windows = eval_windows(splits.eval_ids[: n_tokens + 1], 512)
     calib = cut(splits.calib_ids, 512, max_windows=8)
-    prompt = splits.train_ids[:PROMPT]
+    prompt = ids[5000 : 5000 + PROMPT]  # the shared reference's prompt offset
     baseline = BaselineLogits()
     with torch.no_grad():
         fp32 = evaluate(EagerRunner(model), windows, keep=baseline, desc="fp32 baseline")
     fp32_size = sum(p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()) / 1e6
     log(f"fp32 eager perplexity {fp32.perplexity:.3f} on {fp32.tokens} tokens")
 
+    prev_rows = {}
+    if args.reuse_accuracy:
+        prev_rows = {r["name"]: r for r in json.loads(Path(args.reuse_accuracy).read_text()) if "error" not in r}
     results = []
     t_all = time.perf_counter()
     for row in rows:
         log(f"row {row.name} ({row.runtime})")
         try:
             with torch.no_grad():
-                r = measure_row(row, model, tok, windows, baseline, calib, prompt, work, log)
+                r = measure_row(row, model, tok, windows, baseline, calib, prompt, work, log, prev_rows.get(row.name))
         except Exception as exc:  # one failing runtime must not lose the other rows
             r = {"name": row.name, "runtime": row.runtime, "error": f"{type(exc).__name__}: {exc}"}
         results.append(r)
         log(json.dumps({k: v for k, v in r.items() if k != "details"}, default=str))
         text = (f"bench/accuracy.py — SmolLM2-135M, {fp32.tokens} tokens of pydoc (first {fp32.tokens + 1} ids, "
-                f"512-token windows), {THREADS} threads; latency: prefill {PROMPT} tokens, decode {DECODE}, median of 3\n\n"
+                f"512-token windows), {THREADS} threads; latency: prefill {PROMPT} tokens, decode {DECODE}, median of 5\n\n"
                 + table(results, fp32.perplexity, fp32_size) + f"\n\nwall {time.perf_counter() - t_all:.0f} s\n")
         atomic_write_text(args.out, text)
         atomic_write_json(Path(args.out).with_suffix(".json"), results)

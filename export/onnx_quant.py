@@ -132,6 +132,89 @@ def select_nodes(model: onnx.ModelProto, *, quantize_lm_head: bool, extra_exclud
     return sorted(weights), sorted(set(all_mm) - weights | set(extra_exclude))
 
 
+def _unique(graph: onnx.GraphProto, base: str) -> str:
+    taken = {o for n in graph.node for o in n.output} | {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    name, k = base, 0
+    while name in taken:
+        k += 1
+        name = f"{base}_{k}"
+    return name
+
+
+def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str]) -> int:
+    """Rewrite weight MatMuls as W8A8 with one activation scale and zero point per *token* (row),
+    the arithmetic of XNNPACK's 8da8w and torchao's ``int8_asym_per_token``.
+
+    ORT's dynamic quantizer (``DynamicQuantizeLinear``) takes one scale for the whole activation
+    tensor, so in a 512-token prefill the largest token (the attention-sink outliers of the first
+    positions) sets the step for every row; that is most of its accuracy loss. ORT's
+    ``MatMulInteger`` accepts only a scalar activation zero point, so the per-row zero point is
+    applied after the integer product, through the weight's column sums:
+
+        s = (max(x_row, 0) - min(x_row, 0)) / 255;  z = round(-min(x_row, 0) / s)
+        x_q = clip(round(x / s) + z, 0, 255)                 (uint8)
+        y = s * s_col * (MatMulInteger(x_q, W_q) - z * colsum(W_q))
+
+    with ``W_q`` int8 symmetric per output column (``s_col = max|W_col| / 127``). Every op is a
+    standard ONNX op (opset >= 18). Returns the number of MatMuls rewritten.
+    """
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    by_name = {n.name: n for n in g.node}
+    c = _unique(g, "per_token")
+    consts = {"axes": np.array([-1], dtype=np.int64), "zero": np.array(0.0, dtype=np.float32),
+              "qmax": np.array(255.0, dtype=np.float32), "eps": np.array(1e-12, dtype=np.float32)}
+    g.initializer.extend([numpy_helper.from_array(v, f"{c}.{k}") for k, v in consts.items()])
+    count = 0
+    for name in node_names:
+        node = by_name.get(name)
+        if node is None or node.op_type != "MatMul" or node.input[1] not in inits:
+            raise ValueError(f"per-token quantization: {name!r} is not a MatMul with a constant weight")
+        w = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)  # [K, N]
+        if w.ndim != 2:
+            raise ValueError(f"per-token quantization: {name!r} has a {w.ndim}-D weight")
+        s_col = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
+        w_q = np.clip(np.rint(w / s_col), -127, 127).astype(np.int8)
+        base = _unique(g, node.name or node.output[0])
+        g.initializer.extend([numpy_helper.from_array(w_q, base + ".w_int8"),
+                              numpy_helper.from_array(s_col.astype(np.float32), base + ".w_scale"),
+                              numpy_helper.from_array(w_q.astype(np.float32).sum(axis=0), base + ".w_colsum")])
+        x, y = node.input[0], node.output[0]
+        t = lambda k: f"{base}.{k}"  # noqa: E731
+        mk = onnx.helper.make_node
+        new = [
+            mk("ReduceMax", [x, f"{c}.axes"], [t("mx0")], name=t("mx0"), keepdims=1),
+            mk("ReduceMin", [x, f"{c}.axes"], [t("mn0")], name=t("mn0"), keepdims=1),
+            mk("Max", [t("mx0"), f"{c}.zero"], [t("mx")], name=t("mx")),
+            mk("Min", [t("mn0"), f"{c}.zero"], [t("mn")], name=t("mn")),
+            mk("Sub", [t("mx"), t("mn")], [t("rng")], name=t("rng")),
+            mk("Div", [t("rng"), f"{c}.qmax"], [t("s0")], name=t("s0")),
+            mk("Max", [t("s0"), f"{c}.eps"], [t("s")], name=t("s")),
+            mk("Div", [t("mn"), t("s")], [t("mns")], name=t("mns")),
+            mk("Neg", [t("mns")], [t("zn")], name=t("zn")),
+            mk("Round", [t("zn")], [t("z")], name=t("z")),
+            mk("Div", [x, t("s")], [t("xs")], name=t("xs")),
+            mk("Round", [t("xs")], [t("xr")], name=t("xr")),
+            mk("Add", [t("xr"), t("z")], [t("xz")], name=t("xz")),
+            mk("Clip", [t("xz"), f"{c}.zero", f"{c}.qmax"], [t("xc")], name=t("xc")),
+            mk("Cast", [t("xc")], [t("xq")], name=t("xq"), to=onnx.TensorProto.UINT8),
+            mk("MatMulInteger", [t("xq"), base + ".w_int8"], [t("acc")], name=t("mmi")),
+            mk("Cast", [t("acc")], [t("accf")], name=t("accf"), to=onnx.TensorProto.FLOAT),
+            mk("Mul", [t("z"), base + ".w_colsum"], [t("zc")], name=t("zc")),
+            mk("Sub", [t("accf"), t("zc")], [t("acc0")], name=t("acc0")),
+            mk("Mul", [t("acc0"), t("s")], [t("rows")], name=t("rows")),
+            mk("Mul", [t("rows"), base + ".w_scale"], [y], name=t("cols")),
+        ]
+        idx = list(g.node).index(node)
+        g.node.remove(node)
+        for k, n in enumerate(new):
+            g.node.insert(idx + k, n)
+        if not any(node.input[1] in n.input for n in g.node):
+            g.initializer.remove(inits[node.input[1]])
+        count += 1
+    return count
+
+
 class WindowReader:
     """A ``CalibrationDataReader`` over real-text token windows, each as a full prefill with an
     empty past: the KV-cache graph then sees the same activations as a normal forward, and the
@@ -212,7 +295,12 @@ def quantize(
         use_external_data_format=external_data,
         extra_options={"MatMulConstBOnly": True},
     )
-    if mode == "dynamic":
+    if mode == "dynamic_per_token":
+        rewritten = onnx.load(str(prepped))
+        quantize_per_token(rewritten, include)
+        onnx.save(rewritten, str(dst), save_as_external_data=external_data, all_tensors_to_one_file=True,
+                  location=dst.name + ".data", size_threshold=1024)
+    elif mode == "dynamic":
         quantize_dynamic(prepped, dst, weight_type=QuantType.QInt8, **common)
     else:
         methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -230,6 +318,8 @@ def quantize(
         )
     return {
         "mode": mode,
+        "activations": {"dynamic": "uint8 per tensor, scale at run time", "static": "uint8 per tensor, calibrated",
+                        "dynamic_per_token": "uint8 per token (asymmetric, as XNNPACK 8da8w), scale at run time"}[mode],
         "per_channel": per_channel,
         "reduce_range": reduce_range,
         "calibrate_method": calibrate_method if mode == "static" else None,

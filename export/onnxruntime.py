@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from export.atomic import atomic_write_json, sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
@@ -44,8 +44,11 @@ class OnnxRuntimeOptions(ExportOptions):
         True, description="run onnxscript's graph optimizer in torch.onnx.export (constant folding, rewrites)"
     )
     max_seq_len: int | None = Field(None, ge=2, description="longest sequence the runner accepts (default: the model's)")
-    quantize: Literal["none", "dynamic", "static"] = Field(
-        "none", description="INT8 by ORT's quantizer: dynamic (weights int8, activations at run time) or static QDQ"
+    quantize: Literal["none", "dynamic", "dynamic_per_token", "static"] = Field(
+        "none",
+        description="INT8: dynamic (ORT's quantizer; one activation scale per tensor at run time), "
+        "dynamic_per_token (weights int8 per channel, one activation scale per token, as XNNPACK's 8da8w; "
+        "standard ONNX ops), or static (ORT's QDQ with calibrated per-tensor activation ranges)",
     )
     per_channel: bool = Field(True, description="per-output-channel weight scales")
     reduce_range: bool = Field(False, description="7-bit weights (for non-VNNI CPUs that saturate u8s8)")
@@ -61,6 +64,17 @@ class OnnxRuntimeOptions(ExportOptions):
     graph_optimization_level: Literal["disable", "basic", "extended", "all"] = Field(
         "all", description="ORT session graph optimizations the runner uses"
     )
+
+    @model_validator(mode="after")
+    def _per_token_options(self) -> "OnnxRuntimeOptions":
+        if self.quantize == "dynamic_per_token":
+            if not self.per_channel:
+                raise ValueError("quantize: dynamic_per_token always uses per-channel weight scales; drop per_channel: false")
+            if self.reduce_range:
+                raise ValueError("quantize: dynamic_per_token stores 8-bit weights; reduce_range applies to ORT's quantizer only")
+        if self.quantize != "static" and "calibrate_method" in self.model_fields_set:
+            raise ValueError(f"calibrate_method applies only to quantize: static (got quantize: {self.quantize})")
+        return self
 
 
 def _versions() -> dict[str, str]:

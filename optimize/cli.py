@@ -165,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sensitivity", help="rank module groups by how much quantizing each alone costs")
     s.add_argument("config", help="pipeline YAML (its model, text and quantization stage are used)")
     s.add_argument("overrides", nargs="*")
-    s.add_argument("--scheme", choices=["8da4w", "8da8w", "w4", "w8"], help="default: the config's ptq stage scheme")
+    s.add_argument("--scheme", choices=["8da4w", "8da8w", "w4", "w8", "w8a8-tensor"],
+                   help="default: the config's ptq stage scheme, or its ONNX Runtime quantize mode "
+                   "(w8a8-tensor = ORT's per-tensor dynamic/static activations)")
     s.add_argument("--groups", nargs="+", default=["blocks", "projections", "lm_head", "embeddings"],
                    choices=["blocks", "projections", "lm_head", "embeddings", "modules"],
                    help="how to group modules (each group is quantized alone)")

@@ -100,6 +100,39 @@ def markdown_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _names(names: list[str], limit: int = 6) -> str:
+    return ", ".join(names[:limit]) + (f", … ({len(names)} in all)" if len(names) > limit else "")
+
+
+def precision_lines(report: Report) -> list[str]:
+    """One line per row that changed or exported precisions: what each Linear ended up as."""
+    lines = []
+    for r in report.rows:
+        d = r.details
+        mix = d.get("precision_mix")
+        if mix:
+            parts = [f"{k} {v}" for k, v in mix.items() if v]
+            extra = []
+            if d.get("int8_modules") and d.get("scheme") == "8da4w":
+                extra.append(f"8da8w: {_names(d['int8_modules'])}")
+            if d.get("kept_modules"):
+                extra.append(f"fp32: {_names(d['kept_modules'])}")
+            mp = d.get("mixed_precision")
+            if mp:
+                extra.append(f"budget promoted {_names(mp.get('kept_groups', []))} to {mp.get('promote_to')} "
+                             f"(est. {mp.get('estimated_size_mb')} MB, decode +{mp.get('estimated_decode_slowdown_pct')}%)")
+            if d.get("gptq"):
+                extra.append(f"GPTQ output error -{100 * d['gptq'].get('output_error_reduction', 0):.0f}% vs round-to-nearest")
+            lines.append(f"- {r.name} ({d.get('algorithm', 'rtn')}): {' · '.join(parts)}" + ("; " + "; ".join(extra) if extra else ""))
+        exported = (d.get("quantization") or {}).get("exported_linear")
+        if exported and exported.get("counts"):
+            parts = [f"{k} {v}" for k, v in exported["counts"].items()]
+            minority = [f"{k}: {_names(v)}" for k, v in exported.get("modules", {}).items()]
+            lines.append(f"- {r.name}, read from the exported graph: {' · '.join(parts)}"
+                         + ("; " + "; ".join(minority) if minority else ""))
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     out = [f"# Pipeline report: {report.name}", ""]
     verdict = "all gates passed" if report.ok else f"STOPPED at {report.stopped_at}"
@@ -110,6 +143,9 @@ def render_markdown(report: Report) -> str:
         spans = {k: v for k, v in report.data.items() if isinstance(v, dict)}
         span_txt = "; ".join(f"{k} tokens [{v['start']}, {v['stop']})" for k, v in spans.items())
         out += [f"Text: `{report.data.get('corpus')}` ({span_txt}). Accuracy figures rest on {eval_tokens} tokens.", ""]
+    precision = precision_lines(report)
+    if precision:
+        out += ["## Precision of the Linear layers", *precision, ""]
     gate_lines = [f"- {r.name}: {'ok' if g.ok else 'FAILED'} — {g.message}" for r in report.rows for g in r.gates]
     if gate_lines:
         out += ["## Gates", *gate_lines, ""]

@@ -39,7 +39,7 @@ class SensitivityEntry(BaseModel):
 
 
 class SensitivityReport(BaseModel):
-    scheme: str = Field(description="quantization scheme simulated (8da4w, 8da8w, w4, w8)")
+    scheme: str = Field(description="quantization scheme simulated (8da4w, 8da8w, w4, w8, w8a8-tensor)")
     group_size: int | None = Field(None, description="int4 group size, None for per-channel int8")
     algorithm: str = Field("rtn", description="weight scale choice: rtn or hqq")
     method: str = Field(
@@ -205,11 +205,19 @@ def write_sensitivity(report: SensitivityReport, out_dir: str | Path) -> dict[st
     return paths
 
 
+#: the ONNX Runtime exporter's ``quantize`` mode -> the fake-quant scheme with its arithmetic
+_ORT_SCHEMES = {"dynamic": "w8a8-tensor", "static": "w8a8-tensor", "dynamic_per_token": "8da8w"}
+
+
 def _scheme_from_config(cfg: Any) -> tuple[str, int | None]:
+    """The target's scheme: the first quantization stage's, else what the ORT exporter will apply."""
     for st in cfg.stages:
         s = st.quant_scheme()
         if s in ("8da4w", "8da8w"):
             return s, getattr(st, "effective_group_size", None)
+    ort = (cfg.export or {}).get("onnxruntime", {}).get("quantize")
+    if ort in _ORT_SCHEMES and (cfg.target in (None, "onnxruntime")):
+        return _ORT_SCHEMES[ort], None
     return "8da4w", None
 
 

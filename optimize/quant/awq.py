@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optimize.quant.equalize import FoldGroup, FoldKind, apply_fold, collect_stats, expand, fold_groups, reduce
-from optimize.quant.fakequant import WeightScheme, qdq_act_per_token, qdq_weight
+from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight
 
 DEFAULT_GRID = tuple(i / 10 for i in range(11))
 
@@ -46,8 +46,7 @@ def _group_error(
 ) -> float:
     """Squared error of the readers' outputs when weights*s are quantized and inputs are x/s."""
     xs = x / s_cols
-    if scheme.act_int8:
-        xs = qdq_act_per_token(xs)
+    xs = qdq_act(xs, scheme)
     err = 0.0
     for i, w in enumerate(weights):
         ref = refs[i] if refs is not None else x @ w.t()
@@ -115,5 +114,5 @@ def awq_scale(
 def linear_error(x: torch.Tensor, w: torch.Tensor, scheme: WeightScheme) -> float:
     """Relative output error of one fake-quantized Linear on rows ``x`` (for tests and reports)."""
     ref = x @ w.t()
-    xs = qdq_act_per_token(x) if scheme.act_int8 else x
+    xs = qdq_act(x, scheme)
     return float((F.linear(xs, qdq_weight(w, scheme)) - ref).pow(2).sum() / ref.pow(2).sum())

@@ -30,19 +30,29 @@ class WeightScheme:
     group_size: int | None  # None = one scale per output channel
     act_int8: bool  # dynamic per-token int8 activations (the "8da" part)
     algorithm: Algorithm = "rtn"
+    #: act_int8 only: one scale for the whole activation tensor (ORT's DynamicQuantizeLinear)
+    #: instead of one per token
+    act_per_tensor: bool = False
 
     @property
     def qrange(self) -> tuple[int, int]:
         return -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
 
 
+#: scheme name -> (weight bits, int8 activations, per-tensor activations)
+SCHEMES = {"8da4w": (4, True, False), "8da8w": (8, True, False), "w4": (4, False, False), "w8": (8, False, False),
+           "w8a8-tensor": (8, True, True)}
+
+
 def scheme_for(name: str, group_size: int | None = 32, algorithm: Algorithm = "rtn") -> WeightScheme:
-    """The fake-quant twin of a target scheme name (``8da4w``, ``8da8w``, ``w4``, ``w8``)."""
-    table = {"8da4w": (4, True), "8da8w": (8, True), "w4": (4, False), "w8": (8, False)}
-    if name not in table:
-        raise ValueError(f"unknown quantization scheme {name!r}; expected one of {sorted(table)}")
-    bits, act = table[name]
-    return WeightScheme(bits=bits, group_size=group_size if bits == 4 else None, act_int8=act, algorithm=algorithm)
+    """The fake-quant twin of a target scheme name: ``8da4w``/``8da8w`` (XNNPACK, and ORT's
+    ``dynamic_per_token``), ``w4``/``w8`` (weights only), ``w8a8-tensor`` (ORT's dynamic quantizer:
+    one activation scale per tensor)."""
+    if name not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {name!r}; expected one of {sorted(SCHEMES)}")
+    bits, act, per_tensor = SCHEMES[name]
+    return WeightScheme(bits=bits, group_size=group_size if bits == 4 else None, act_int8=act, algorithm=algorithm,
+                        act_per_tensor=per_tensor)
 
 
 def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
@@ -87,6 +97,23 @@ def qdq_act_per_token(x: torch.Tensor) -> torch.Tensor:
     return ((q - zp) * scale).to(x.dtype)
 
 
+def qdq_act_per_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Asymmetric uint8 with one scale for the whole tensor, as ORT's ``DynamicQuantizeLinear``."""
+    xf = x.float()
+    mn, mx = xf.min().clamp(max=0), xf.max().clamp(min=0)
+    scale = ((mx - mn) / 255.0).clamp_min(_EPS)
+    zp = torch.clamp(torch.round(-mn / scale), 0, 255)
+    q = torch.clamp(torch.round(xf / scale) + zp, 0, 255)
+    return ((q - zp) * scale).to(x.dtype)
+
+
+def qdq_act(x: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """The scheme's activation quantize-dequantize (identity for weight-only schemes)."""
+    if not scheme.act_int8:
+        return x
+    return qdq_act_per_tensor(x) if scheme.act_per_tensor else qdq_act_per_token(x)
+
+
 class FakeQuantLinear(nn.Module):
     """A Linear whose weight is pre-quantized-dequantized and whose input is fake-quantized."""
 
@@ -98,9 +125,7 @@ class FakeQuantLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scheme.act_int8:
-            x = qdq_act_per_token(x)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(qdq_act(x, self.scheme), self.weight, self.bias)
 
 
 def qdq_embedding(emb: nn.Embedding, bits: int = 8, group_size: int | None = None) -> nn.Embedding:

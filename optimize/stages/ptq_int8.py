@@ -33,6 +33,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from targets.config_base import Strict
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
 
@@ -40,6 +41,20 @@ from optimize.stages._select import SHORTHANDS, is_tied, module_name, select_mod
 GROUP_MULTIPLE = 32
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_EMBEDDING_GROUP_SIZE = 32
+
+
+class GptqOptions(Strict):
+    """GPTQ settings (``algorithm: gptq``); see :mod:`optimize.quant.gptq`."""
+
+    scale_init: Literal["mse", "absmax", "hqq"] = Field(
+        "mse",
+        description="how each group's scale is fixed before the error feedback: mse (clip search that "
+        "minimises the group's rounding error; best on SmolLM2), absmax (torchao's max|w| rule), hqq",
+    )
+    act_order: bool = Field(True, description="quantize the most-used input columns first (static groups keep XNNPACK's layout)")
+    damp: float = Field(0.01, gt=0, lt=1, description="fraction of the mean Hessian diagonal added for stability")
+    block_size: int = Field(128, ge=1, le=4096, description="columns updated together (speed only; same result)")
+    calibration_windows: int = Field(8, ge=1, le=256, description="at most this many calibration windows build the Hessians")
 
 
 class Ptq8Config(StageConfig):
@@ -76,11 +91,36 @@ class Ptq8Config(StageConfig):
         description="how weight scales are chosen: affine (min/max, fast) or hqq_scale_only (HQQ-optimised "
         "scales, as ExecuTorch's LLM export uses; helped 8da4w, hurt 8da8w on SmolLM2; ~3x slower to quantize)",
     )
+    algorithm: Literal["rtn", "gptq"] = Field(
+        "rtn",
+        description="how weights are rounded: rtn (round-to-nearest, no data) or gptq (error feedback "
+        "against calibration activations; same layout, lowers to XNNPACK unchanged)",
+    )
+    gptq: GptqOptions | None = Field(None, description="algorithm gptq only: GPTQ settings (defaults if omitted)")
+    int8_modules: list[str] = Field(
+        default_factory=list,
+        description="8da4w only: module patterns (or 'lm_head') quantized 8da8w instead of int4: mixed "
+        "precision listed by hand (e.g. ['lm_head', 'model.layers.0', '*.down_proj'])",
+    )
     size_budget_mb: float | None = Field(
         None,
         gt=0,
-        description="mixed precision by budget: keep the most sensitive candidate groups fp32 (scored by "
-        "fake-quant KL on calibration text) while the estimated weight size stays within this many MB",
+        description="mixed precision by budget: promote the most sensitive candidate groups (scored by "
+        "fake-quant KL on calibration text) to budget_promote_to while the estimated weight size stays "
+        "within this many MB",
+    )
+    max_decode_slowdown_pct: float | None = Field(
+        None,
+        ge=0,
+        le=1000,
+        description="mixed precision by latency budget: promote sensitive groups while the estimated decode "
+        "time (weight bytes read per token) stays within this many percent of every Linear, lm_head "
+        "included, at the stage's scheme",
+    )
+    budget_promote_to: Literal["fp32", "8da8w"] | None = Field(
+        None,
+        description="precision a budget promotes groups to: 8da8w (default for 8da4w) or fp32 (default, and "
+        "the only choice, for 8da8w)",
     )
     budget_candidates: list[str] | None = Field(
         None,
@@ -89,7 +129,8 @@ class Ptq8Config(StageConfig):
         "'*.down_proj'); default every block, every projection type and lm_head",
     )
     budget_windows: int = Field(
-        2, ge=1, le=64, description="size_budget_mb only: calibration windows the sensitivity scoring runs"
+        2, ge=1, le=64, description="size_budget_mb / max_decode_slowdown_pct only: calibration windows the "
+        "sensitivity scoring runs"
     )
     modules: list[str] | None = Field(
         None,
@@ -116,7 +157,7 @@ class Ptq8Config(StageConfig):
             raise ValueError(f"embedding_group_size={v} must be even (two int4 values pack into a byte)")
         return v
 
-    @field_validator("keep_high_precision", "modules")
+    @field_validator("keep_high_precision", "modules", "int8_modules")
     @classmethod
     def _patterns(cls, v: list[str] | None) -> list[str] | None:
         if v is not None:
@@ -133,8 +174,23 @@ class Ptq8Config(StageConfig):
             )
         if self.quantize_embedding != "int4" and self.embedding_group_size is not None:
             raise ValueError("embedding_group_size applies only to quantize_embedding: int4")
-        if self.size_budget_mb is None and self.budget_candidates is not None:
-            raise ValueError("budget_candidates applies only with size_budget_mb")
+        budget = self.size_budget_mb is not None or self.max_decode_slowdown_pct is not None
+        if not budget:
+            for opt in ("budget_candidates", "budget_promote_to"):
+                if getattr(self, opt) is not None:
+                    raise ValueError(f"{opt} applies only with size_budget_mb or max_decode_slowdown_pct")
+            if "budget_windows" in self.model_fields_set:
+                raise ValueError("budget_windows applies only with size_budget_mb or max_decode_slowdown_pct")
+        if self.scheme == "8da8w" and self.budget_promote_to == "8da8w":
+            raise ValueError("budget_promote_to: 8da8w needs scheme 8da4w (the layers already are 8da8w); use fp32")
+        if self.scheme == "8da8w" and self.int8_modules:
+            raise ValueError("int8_modules applies only to scheme 8da4w (8da8w quantizes every layer to int8)")
+        if self.gptq is not None and self.algorithm != "gptq":
+            raise ValueError("gptq options apply only with algorithm: gptq")
+        if self.algorithm == "gptq" and self.weight_qparams != "affine":
+            raise ValueError(
+                "algorithm gptq chooses its own scales: drop weight_qparams (use gptq.scale_init: hqq for HQQ scales)"
+            )
         if self.quantize_embedding and "embeddings" in self.keep_high_precision:
             raise ValueError(
                 "quantize_embedding conflicts with keep_high_precision containing 'embeddings'; drop one"
@@ -143,6 +199,11 @@ class Ptq8Config(StageConfig):
 
     def quant_scheme(self) -> str:
         return self.scheme
+
+    @property
+    def promote_to(self) -> str:
+        """What a budget promotes sensitive groups to."""
+        return self.budget_promote_to or ("8da8w" if self.scheme == "8da4w" else "fp32")
 
     @property
     def effective_group_size(self) -> int | None:
@@ -202,7 +263,7 @@ def _untie_config(model: nn.Module) -> None:
 
 def plan(model: nn.Module, cfg: Ptq8Config) -> dict:
     """Decide which layers to quantize and check every constraint before touching the model."""
-    user_patterns = [p for p in cfg.keep_high_precision if p not in SHORTHANDS] + list(cfg.modules or [])
+    user_patterns = [p for p in cfg.keep_high_precision + cfg.int8_modules if p not in SHORTHANDS] + list(cfg.modules or [])
     typos = unmatched_patterns(model, user_patterns)
     if typos:
         raise ValueError(
@@ -226,11 +287,19 @@ def plan(model: nn.Module, cfg: Ptq8Config) -> dict:
         raise ValueError(
             "ptq_int8: no nn.Linear layer is left to quantize after `modules` and `keep_high_precision`"
         )
+    int8: list[str] = []
+    if cfg.int8_modules:
+        int8, _ = select_modules(model, nn.Linear, include=cfg.int8_modules)
+        clash = [n for n in int8 if n in kept]
+        if clash:
+            raise ValueError(f"ptq_int8: {clash[:3]} match both int8_modules and keep_high_precision; drop one")
+        int8 = [n for n in selected if n in set(int8)]
     gs = cfg.effective_group_size
     if gs is not None:
-        bad = sorted({mods[n].in_features for n in selected if mods[n].in_features % gs})
+        four = [n for n in selected if n not in set(int8)]
+        bad = sorted({mods[n].in_features for n in four if mods[n].in_features % gs})
         if bad:
-            common = _common_groups([mods[n].in_features for n in selected])
+            common = _common_groups([mods[n].in_features for n in four])
             raise ValueError(
                 f"ptq_int8: group_size={gs} does not divide in_features {bad} of the selected layers; "
                 f"group sizes that fit every layer: {common or 'none (keep those layers with keep_high_precision)'}"
@@ -248,7 +317,7 @@ def plan(model: nn.Module, cfg: Ptq8Config) -> dict:
                 f"ptq_int8: embedding_group_size={egs} does not divide the embedding width {emb.embedding_dim}"
             )
         emb_name = module_name(model, emb)
-    return {"selected": selected, "kept": kept, "conv1d_skipped": conv1d, "embedding": emb_name}
+    return {"selected": selected, "kept": kept, "int8": int8, "conv1d_skipped": conv1d, "embedding": emb_name}
 
 
 def _common_groups(widths: list[int]) -> list[int]:
@@ -256,25 +325,71 @@ def _common_groups(widths: list[int]) -> list[int]:
 
 
 def _budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: dict) -> dict:
-    """Move the most sensitive groups from ``p['selected']`` to ``p['kept']`` within the size budget."""
+    """Promote the most sensitive groups of ``p['selected']`` (to int8 or fp32) within the budgets."""
     from optimize.quant.mixed import budget_keep
 
     if not ctx.calibration:
-        raise ValueError("ptq_int8: size_budget_mb needs calibration text to score sensitivity")
+        raise ValueError("ptq_int8: size_budget_mb / max_decode_slowdown_pct need calibration text to score sensitivity")
     algorithm = "hqq" if cfg.weight_qparams == "hqq_scale_only" else "rtn"
     plan, scored = budget_keep(model, p["selected"], ctx.calibration[: cfg.budget_windows], cfg.scheme,
-                               cfg.effective_group_size, cfg.size_budget_mb, cfg.budget_candidates, algorithm)
+                               cfg.effective_group_size, cfg.size_budget_mb, cfg.budget_candidates, algorithm,
+                               promote_to=cfg.promote_to, decode_budget_pct=cfg.max_decode_slowdown_pct,
+                               int8_fixed=set(p["int8"]))
     keep = set(plan.kept)
-    p["selected"] = [n for n in p["selected"] if n not in keep]
-    p["kept"] = sorted(set(p["kept"]) | keep)
+    if cfg.promote_to == "8da8w":
+        p["int8"] = [n for n in p["selected"] if n in keep or n in set(p["int8"])]
+    else:
+        p["selected"] = [n for n in p["selected"] if n not in keep]
+        p["int8"] = [n for n in p["int8"] if n not in keep]
+        p["kept"] = sorted(set(p["kept"]) | keep)
     if not p["selected"]:
         raise ValueError("ptq_int8: the size budget keeps every layer fp32; nothing is left to quantize")
     return {**plan.as_details(), "sensitivity_top": scored[:12]}
 
 
+def _weight_scheme(cfg: Ptq8Config, int8: bool):
+    from optimize.quant.fakequant import scheme_for
+
+    return scheme_for("8da8w", None) if int8 or cfg.scheme == "8da8w" else scheme_for("8da4w", cfg.effective_group_size)
+
+
+def _install(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bits: int) -> None:
+    """Put GPTQ's integers and scales into the module as torchao's ``IntxUnpackedToInt8Tensor``:
+    the layout round-to-nearest produces, which ExecuTorch lowers to XNNPACK unchanged."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    gs = q.shape[1] // scale.shape[1]
+    dq = (q.float().view(q.shape[0], -1, gs) * scale.unsqueeze(-1)).view(q.shape).to(module.weight.dtype)
+    t = IntxUnpackedToInt8Tensor.from_hp(
+        dq, (1, gs), torch.int4 if bits == 4 else torch.int8,
+        activation_quantization="int8_asym_per_token", intx_choose_qparams_algorithm=None,
+        custom_scale=scale.to(module.weight.dtype), custom_zero_point=torch.zeros_like(scale, dtype=torch.int8),
+    )
+    if not torch.equal(t.qdata, q):  # the grid must survive the round trip exactly, or the .pte drifts
+        raise RuntimeError(f"GPTQ integers changed when building the torchao tensor ({(t.qdata != q).sum()} values)")
+    module.weight = nn.Parameter(t, requires_grad=False)
+
+
+def _quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: list[str], eight: list[str]) -> dict:
+    from optimize.quant.gptq import gptq_model
+
+    if not ctx.calibration:
+        raise ValueError("ptq_int8: algorithm gptq needs calibration text; set data.calibration_tokens > 0")
+    opts = cfg.gptq or GptqOptions()
+    targets = {n: _weight_scheme(cfg, False) for n in four} | {n: _weight_scheme(cfg, True) for n in eight}
+    was_training = model.training
+    model.eval()
+    res = gptq_model(model, targets, ctx.calibration[: opts.calibration_windows], damp=opts.damp,
+                     block_size=opts.block_size, act_order=opts.act_order, scale_init=opts.scale_init, log=ctx.log)
+    model.train(was_training)
+    for name, r in res.layers.items():
+        _install(model.get_submodule(name), r.q, r.scale, targets[name].bits)
+    return {**res.summary(), **opts.model_dump()}
+
+
 @register_stage("ptq_int8", Ptq8Config)
 def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
-    """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), dynamic activations, no calibration."""
+    """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), round-to-nearest or GPTQ, mixed precision by hand or by budget."""
     from torchao.quantization import quantize_
 
     p = plan(model, cfg)
@@ -282,9 +397,21 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     was_tied = is_tied(in_emb, out_emb)
 
-    budget = _budget_plan(model, cfg, ctx, p) if cfg.size_budget_mb is not None else None
-    selected = set(p["selected"])
-    quantize_(model, linear_config(cfg), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in selected)
+    budget = None
+    if cfg.size_budget_mb is not None or cfg.max_decode_slowdown_pct is not None:
+        budget = _budget_plan(model, cfg, ctx, p)
+    eight = [n for n in p["selected"] if n in set(p["int8"])] if cfg.scheme == "8da4w" else []
+    four = [n for n in p["selected"] if n not in set(eight)]
+    gptq = None
+    if cfg.algorithm == "gptq":
+        gptq = _quantize_gptq(model, cfg, ctx, four, eight)
+    else:
+        sel4 = set(four)
+        quantize_(model, linear_config(cfg), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in sel4)
+        if eight:
+            sel8 = set(eight)
+            quantize_(model, linear_config(cfg.model_copy(update={"scheme": "8da8w", "group_size": None})),
+                      filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in sel8)
     if p["embedding"] is not None:
         emb_fqn = p["embedding"]
         quantize_(model, embedding_config(cfg), filter_fn=lambda m, fqn: fqn == emb_fqn)
@@ -297,21 +424,29 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
             "scheme": cfg.scheme,
             "group_size": cfg.effective_group_size,
             "weight_bits": 8 if cfg.scheme == "8da8w" else 4,
+            "algorithm": cfg.algorithm,
             "weight_qparams": cfg.weight_qparams,
             "activations": "int8 dynamic per-token (no calibration)",
             "linear_quantized": len(p["selected"]),
             "linear_kept": len(p["kept"]),
             "kept_modules": p["kept"],
+            "int8_modules": eight,
+            "precision_mix": {"fp32": len(p["kept"]), "8da8w": len(eight) if cfg.scheme == "8da4w" else len(four),
+                              "8da4w": len(four) if cfg.scheme == "8da4w" else 0},
             "embedding_quantized": cfg.quantize_embedding,
             "untied_embeddings": untied,
         }
     )
+    if gptq is not None:
+        ctx.details["gptq"] = gptq
     if budget is not None:
         ctx.details["mixed_precision"] = budget
     if p["conv1d_skipped"]:
         ctx.details["conv1d_kept_fp32"] = p["conv1d_skipped"]
     ctx.log(
-        f"ptq_int8 {cfg.scheme}: quantized {len(p['selected'])} Linear layers, kept {len(p['kept'])} in fp32"
+        f"ptq_int8 {cfg.scheme} ({cfg.algorithm}): quantized {len(p['selected'])} Linear layers"
+        + (f" ({len(eight)} at 8da8w)" if eight else "")
+        + f", kept {len(p['kept'])} in fp32"
         + (f" ({', '.join(p['kept'][:4])}{'...' if len(p['kept']) > 4 else ''})" if p["kept"] else "")
         + (f"; embedding {cfg.quantize_embedding}" if cfg.quantize_embedding else "")
     )

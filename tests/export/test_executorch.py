@@ -51,7 +51,20 @@ SCHEMES = {
     "fp32": ({}, None),
     "8da4w": ({"quantize": "8da4w", "group_size": 32, "embedding_quantize": "int4"}, "options"),
     "8da8w": ({"quantize": "none", "embedding_quantize": "int8", "lm_head": "same"}, "prequantized"),
+    # ptq_int8 with GPTQ and a hand-listed mix: block 0 fp32, lm_head 8da8w, block 1 8da4w
+    "mixed": ({"quantize": "none"}, "mixed"),
 }
+
+
+def _prequantize_mixed(model):
+    from optimize.stage_api import StageContext, get_stage
+    from optimize.stages.ptq_int8 import Ptq8Config
+
+    cfg = Ptq8Config(scheme="8da4w", algorithm="gptq", keep_high_precision=["model.layers.0"], int8_modules=["lm_head"])
+    g = torch.Generator().manual_seed(5)
+    ctx = StageContext(tokenizer=None, calibration=[torch.randint(0, 1000, (64,), generator=g) for _ in range(2)],
+                       train_ids=torch.zeros(0, dtype=torch.long), target=None, work_dir=None, log=_quiet)
+    return get_stage("ptq_int8").fn(model, cfg, ctx)
 
 
 def _prequantize_8da8w(model):
@@ -70,9 +83,11 @@ def exported(tiny, tmp_path_factory):
         model = copy.deepcopy(tiny.model).eval()
         if how == "prequantized":
             _prequantize_8da8w(model)
+        elif how == "mixed":
+            _prequantize_mixed(model)
         res = ExecuTorchExporter().export(model, tiny.tokenizer, root / name, {**opts, "max_seq_len": MAX_SEQ_LEN},
                                           log=_quiet)
-        if how is not None:  # the same torchao quantization the exporter applied to its copy
+        if how in ("options", "prequantized"):  # the same torchao quantization the exporter applied to its copy
             _apply_quantization(model, ExecuTorchOptions(**opts))
         out[name] = (res, model)
     return out
@@ -111,12 +126,35 @@ def test_parity_and_greedy(exported, ids, scheme):
 
 
 def test_quantization_recorded(exported):
-    assert exported["fp32"][0].details["quantization"] == {"linear": {"fp32": 15}, "embedding": "fp32"}
+    q = exported["fp32"][0].details["quantization"]
+    assert q["linear"] == {"fp32": 15} and q["embedding"] == "fp32"
+    assert q["exported_linear"] == {"counts": {"fp32": 15}, "majority": "fp32", "modules": {}}
     assert exported["8da4w"][0].details["quantization"]["linear"] == {"8da4w": 15}
     # the model an earlier stage quantized is exported as given, and recorded as such
     assert exported["8da8w"][0].manifest["schemes"]["linear"] == {"8da8w": 15}
     sizes = {k: v[0].artifact.stat().st_size for k, v in exported.items()}
     assert sizes["8da4w"] < sizes["8da8w"] < sizes["fp32"] / 2, sizes
+
+
+def test_exported_graph_has_the_mix_the_stage_chose(exported):
+    """The mix is read back from the exported graph (what XNNPACK lowers), not from the eager model."""
+    res = exported["mixed"][0]
+    graph = res.details["quantization"]["exported_linear"]
+    assert graph["counts"] == {"fp32": 7, "8da4w": 7, "8da8w": 1}, graph
+    assert graph["modules"]["8da8w"] == ["lm_head"]
+    assert graph["modules"]["fp32" if graph["majority"] != "fp32" else "8da4w"][0].startswith("model.layers.")
+    assert all(n.startswith("model.layers.0.") for n in
+               [n for s, names in graph["modules"].items() if s == "fp32" for n in names])
+    assert res.manifest["schemes"]["exported_linear"] == graph
+    assert res.details["delegation"]["delegated_fraction"] > 0
+
+
+def test_lost_quantization_is_refused():
+    from export.executorch import _check_mix
+
+    _check_mix({"a": "8da4w", "b": "fp32"}, {"a": "8da4w", "b": "fp32"})
+    with pytest.raises(ExportError, match=r"1 Linear layers lost their quantization.*a: 8da4w in eager, fp32"):
+        _check_mix({"a": "8da4w", "b": "fp32"}, {"a": "fp32", "b": "fp32"})
 
 
 def test_delegation_reported(exported):

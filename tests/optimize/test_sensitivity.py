@@ -76,3 +76,42 @@ def test_bad_values_say_what_is_wrong(tiny_llama):
         analyze_sensitivity(tiny_llama, _windows(1), "8da4w", ["blocks"], group_size=48)
     with pytest.raises(ValueError, match="windows=0 must be >= 1"):
         run_sensitivity({}, windows=0)
+
+
+def _inject_activation_outlier(model, layer=1, channel=5, factor=300.0):
+    """Scale one up_proj output channel by ``factor`` and the down_proj column that reads it by
+    1/factor: the fp32 model is unchanged, but down_proj's input gets a huge outlier channel."""
+    mlp = model.model.layers[layer].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight[channel] *= factor
+        mlp.down_proj.weight[:, channel] /= factor
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-tensor", "8da8w"])
+def test_activation_outliers_rank_their_reader_first(tiny_llama, scheme):
+    """An outlier channel (exact in fp32) wrecks int8 activations of the one layer reading it; the
+    ranking puts that layer first, and SmoothQuant's down fold takes most of its loss away."""
+    from optimize.quant.smoothquant import smooth
+
+    tiny_llama.eval()
+    ids = torch.randint(0, 1000, (1, 24))
+    with torch.no_grad():
+        ref = tiny_llama(ids).logits
+        _inject_activation_outlier(tiny_llama)
+        assert (tiny_llama(ids).logits - ref).abs().max() < 1e-3
+    rep = analyze_sensitivity(tiny_llama, _windows(), scheme, ["modules"])
+    assert rep.entries[0].name == "model.layers.1.mlp.down_proj", [(e.name, e.kl) for e in rep.entries[:3]]
+    assert rep.entries[0].kl > 3 * rep.entries[1].kl
+    before = rep.entries[0].kl
+    smooth(tiny_llama, _windows(), alpha=0.5, folds=("down",))
+    after = analyze_sensitivity(tiny_llama, _windows(), scheme, custom=[("down", ["model.layers.1.mlp.down_proj"])])
+    assert after.entries[0].kl < 0.5 * before, (after.entries[0].kl, before)
+
+
+def test_run_sensitivity_takes_the_onnx_runtime_mode(tiny_cfg, tmp_path):
+    tiny_cfg["target"] = "onnxruntime"
+    for mode, scheme in (("dynamic", "w8a8-tensor"), ("dynamic_per_token", "8da8w")):
+        tiny_cfg["export"] = {"onnxruntime": {"quantize": mode}}
+        rep = run_sensitivity(tiny_cfg, ["data.eval_tokens=64"], groups=["blocks"], windows=1, seq_len=32,
+                              out_dir=tmp_path / mode)
+        assert rep.scheme == scheme

@@ -63,3 +63,38 @@ def test_budget_keep_picks_the_sensitive_block(tiny_llama):
     assert scored[0]["group"] == "model.layers.1"
     with pytest.raises(ValueError, match=r"candidate\(s\) \['model.layers.7'\] match none"):
         budget_keep(tiny_llama, sel, wins, "8da4w", 32, base * 2, candidates=["model.layers.7"])
+
+
+def test_decode_budget_limits_promotion_to_int8(tiny_llama):
+    """A decode budget of x% admits only groups whose extra bytes read per token fit in x% of the
+    plain model (every Linear, lm_head included, at int4)."""
+    from optimize.quant.mixed import decode_bytes, decode_cost
+
+    linears = set(_linears(tiny_llama))
+    sel = [n for n in _linears(tiny_llama)]
+    plain = decode_bytes(tiny_llama, linears, 4, 32)
+    block0 = [n for n in sel if n.startswith("model.layers.0.")]
+    block1 = [n for n in sel if n.startswith("model.layers.1.")]
+    per_block = sum(decode_cost(tiny_llama, n, 4, 32, "8da8w") for n in block0)
+    pct = 100 * 1.5 * per_block / plain  # one block fits, two do not
+    scored = [("model.layers.0", block0, 0.2), ("model.layers.1", block1, 0.5), ("lm_head", ["lm_head"], 0.01)]
+    plan = plan_budget(tiny_llama, scored, sel, None, 4, 32, promote_to="8da8w", decode_budget_pct=pct)
+    assert "model.layers.1" in plan.kept_groups and "model.layers.0" in plan.skipped_groups
+    assert plan.decode_slowdown_pct <= pct + 1e-9
+    int8 = set(plan.kept)
+    assert abs(100 * (decode_bytes(tiny_llama, set(sel), 4, 32, int8) / plain - 1) - plan.decode_slowdown_pct) < 1e-9
+    # promotion to int8 costs storage too: both budgets hold when both are given
+    size_cap = model_bytes(tiny_llama, set(sel), 4, 32) / MB + 1e-6
+    both = plan_budget(tiny_llama, scored, sel, size_cap, 4, 32, promote_to="8da8w", decode_budget_pct=pct)
+    assert both.kept == [] and both.size_mb <= size_cap
+
+
+def test_decode_budget_counts_a_tied_fp32_head(tiny_llama):
+    """Keeping a tied lm_head fp32 is free in storage but reads the fp32 table every token."""
+    sel = [n for n in _linears(tiny_llama) if n != "lm_head"]  # lm_head kept fp32 by the user
+    with pytest.raises(ValueError, match=r"decode budget 10.0%.*slower"):
+        plan_budget(tiny_llama, [], sel, None, 4, 32, decode_budget_pct=10.0)
+    with pytest.raises(ValueError, match="give a size budget"):
+        plan_budget(tiny_llama, [], sel, None, 4, 32)
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_budget(tiny_llama, [], sel, None, 4, 32, decode_budget_pct=-1.0)

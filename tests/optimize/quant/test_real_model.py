@@ -1,4 +1,4 @@
-"""SmolLM2-135M (slow): the folds stay exact on the real model and AWQ lowers 8da4w error."""
+"""SmolLM2-135M (slow): the folds stay exact on the real model, AWQ and GPTQ lower 8da4w error."""
 
 from __future__ import annotations
 
@@ -41,3 +41,28 @@ def test_smoothquant_exact_and_awq_helps_on_smollm2(smollm2_loaded, pydoc_splits
             kl_awq = _kl(model, ref, ids)
     assert res.error_awq < res.error_rtn
     assert kl_awq < kl_rtn
+
+
+def test_gptq_stage_beats_round_to_nearest_on_smollm2(smollm2_loaded, pydoc_splits, tmp_path):
+    """The ptq_int8 stage with algorithm gptq (the torchao tensors it installs, in eager) against
+    round-to-nearest, on evaluation text GPTQ never saw. Full-size figures: bench/accuracy.py."""
+    from optimize.checks.accuracy import evaluate
+    from optimize.stage_api import StageContext, get_stage
+    from optimize.stages.ptq_int8 import Ptq8Config
+    from export.runtime import EagerRunner
+
+    calib = [pydoc_splits.calib_ids[i : i + 512] for i in (0, 512, 1024, 1536)]
+    window = [pydoc_splits.eval_ids[:513]]
+    ppl = {"fp32": evaluate(EagerRunner(smollm2_loaded.model), window).perplexity}
+    for algo in ("rtn", "gptq"):
+        ctx = StageContext(tokenizer=None, calibration=calib, train_ids=torch.zeros(0, dtype=torch.long),
+                           target=None, work_dir=tmp_path, log=lambda s: None)
+        cfg = Ptq8Config(scheme="8da4w", algorithm=algo, keep_high_precision=[], int8_modules=["lm_head"])
+        model = get_stage("ptq_int8").fn(copy.deepcopy(smollm2_loaded.model).eval(), cfg, ctx)
+        with torch.no_grad():
+            ppl[algo] = evaluate(EagerRunner(model), window).perplexity
+        if algo == "gptq":
+            assert ctx.details["gptq"]["output_error_reduction"] > 0.5, ctx.details["gptq"]
+        del model
+    assert ppl["gptq"] < ppl["rtn"], ppl
+    assert ppl["gptq"] - ppl["fp32"] < 0.5 * (ppl["rtn"] - ppl["fp32"]), ppl

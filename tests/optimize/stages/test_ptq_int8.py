@@ -44,7 +44,7 @@ IDS = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0
 def test_registered_with_description_and_scheme():
     spec = get_stage("ptq_int8")
     assert spec.config_cls is Ptq8Config
-    assert "8da8w" in spec.description and "no calibration" in spec.description
+    assert "8da8w" in spec.description and "GPTQ" in spec.description
     assert Ptq8Config().quant_scheme() == "8da8w"
     assert Ptq8Config(scheme="8da4w").quant_scheme() == "8da4w"
     assert Ptq8Config.needs_calibration is False

@@ -1,0 +1,289 @@
+"""GPTQ (Frantar et al. 2023): choose int4/int8 weights that minimise the layer's output error.
+
+Round-to-nearest rounds every weight on its own. GPTQ quantizes one input column at a time
+and moves each column's rounding error onto the columns not yet quantized, weighted by the
+inverse Hessian ``H = 2 X^T X`` of the layer's calibration inputs, so the *output* ``X W^T``
+stays close even where single weights do not. Layers are processed block by block in model
+order, each seeing the calibration activations of the blocks already quantized before it
+(sequential GPTQ), so errors do not compound unseen.
+
+Why not torchao's ``GPTQConfig``: in torchao 0.18 it runs on CUDA only and emits
+``Int4Tensor``/``Int8Tensor`` (tinygemm/mslk layouts) that ExecuTorch's XNNPACK partitioner
+does not lower. Here the result is torchao's ``IntxUnpackedToInt8Tensor`` built with
+``custom_scale`` (the same layout ``ptq_int8`` produces with round-to-nearest), so a GPTQ model
+lowers to XNNPACK unchanged: symmetric scales, zero points 0, groups of 32·k input channels.
+
+Group scales are fixed before the error feedback starts ("static groups", from the original
+weights by ``max|w|`` or HQQ's search), which keeps the groups aligned to XNNPACK's blocks
+even when columns are visited in activation order (``act_order``, most-used columns first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+from torch import nn
+
+from optimize.quant.fakequant import WeightScheme, qdq_act, weight_scales
+
+ScaleInit = Literal["absmax", "hqq", "mse"]
+
+
+@dataclass
+class GptqLayerResult:
+    """What GPTQ produced for one Linear: integer weights, their scales, and the error it saved."""
+
+    q: torch.Tensor  # int8 storage of the int4/int8 values, [out, in]
+    scale: torch.Tensor  # [out, n_groups] (n_groups = 1 for per-channel)
+    #: ||X W^T - X Q^T||^2 / ||X W^T||^2 on the calibration inputs (via the Hessian), RTN vs GPTQ
+    rel_error_rtn: float
+    rel_error_gptq: float
+
+    def dequantized(self) -> torch.Tensor:
+        gs = self.q.shape[1] // self.scale.shape[1]
+        return (self.q.float().view(self.q.shape[0], -1, gs) * self.scale.unsqueeze(-1)).view(self.q.shape)
+
+
+def _mse_scales(w: torch.Tensor, scheme: WeightScheme, grid: int = 20, min_shrink: float = 0.75) -> torch.Tensor:
+    """Per-group scales that minimise the weight's own rounding error over shrunk ranges."""
+    base = weight_scales(w, scheme)  # [out, g]
+    gs = w.shape[1] // base.shape[1]
+    wg = w.float().view(w.shape[0], -1, gs)
+    qmin, qmax = scheme.qrange
+    best, best_err = base.clone(), torch.full_like(base, float("inf"))
+    for k in range(grid + 1):
+        s = base * (1.0 - (1.0 - min_shrink) * k / grid)
+        q = torch.clamp(torch.round(wg / s.unsqueeze(-1)), qmin, qmax)
+        err = (q * s.unsqueeze(-1) - wg).pow(2).sum(-1)
+        better = err < best_err
+        best = torch.where(better, s, best)
+        best_err = torch.where(better, err, best_err)
+    return best
+
+
+def initial_scales(w: torch.Tensor, scheme: WeightScheme, how: ScaleInit) -> torch.Tensor:
+    """Group scales from the original weights: torchao's ``max|w|`` rule, HQQ's search, or an MSE clip search."""
+    if how == "mse":
+        return _mse_scales(w, scheme)
+    algo = "hqq" if how == "hqq" else "rtn"
+    return weight_scales(w, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8, algo))
+
+
+def _quadratic_error(delta: torch.Tensor, h: torch.Tensor) -> float:
+    """``sum_i delta_i^T H delta_i`` = squared output error on the inputs that built ``H``."""
+    return float(((delta @ h) * delta).sum())
+
+
+@torch.no_grad()
+def gptq_layer(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: WeightScheme,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    scale_init: ScaleInit = "absmax",
+) -> GptqLayerResult:
+    """Quantize one ``[out, in]`` weight with GPTQ against ``hessian`` (``[in, in]``, ``sum x x^T``)."""
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
+    if not 0.0 < damp < 1.0:
+        raise ValueError(f"damp={damp} must lie in (0, 1)")
+    w_orig = weight.detach().float()
+    out_f, in_f = w_orig.shape
+    gs = scheme.group_size or in_f
+    if in_f % gs:
+        raise ValueError(f"group_size={gs} does not divide in_features={in_f}")
+    qmin, qmax = scheme.qrange
+    scale = initial_scales(w_orig, scheme, scale_init)  # [out, n_groups]
+
+    h = hessian.detach().double().clone()
+    w = w_orig.double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h_ref = h.clone()
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f)
+    inv_perm = torch.argsort(perm)
+    w = w[:, perm]
+    h = h[perm][:, perm]
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype)
+    try:
+        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except torch.linalg.LinAlgError as exc:  # pragma: no cover - damp makes H positive definite in practice
+        raise ValueError(f"GPTQ: the Hessian is not positive definite even with damp={damp}; raise damp") from exc
+
+    col_scale = scale.double().repeat_interleave(gs, dim=1)[:, perm]  # each column's group scale
+    q = torch.zeros_like(w)
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        w1 = w[:, i1:i2].clone()
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            s = col_scale[:, i1 + i]
+            qi = torch.clamp(torch.round(col / s), qmin, qmax)
+            q[:, i1 + i] = qi
+            e = (col - qi * s) / hinv1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    q = q[:, inv_perm]
+
+    # errors on the undamped Hessian: what the calibration inputs actually see
+    ref = _quadratic_error(w_orig.double(), h_ref)
+    gptq_dq = (q * scale.double().repeat_interleave(gs, dim=1)).to(torch.float64)
+    rtn_s = weight_scales(w_orig, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8))
+    rtn_q = torch.clamp(torch.round(w_orig.view(out_f, -1, gs) / rtn_s.unsqueeze(-1)), qmin, qmax)
+    rtn_dq = (rtn_q * rtn_s.unsqueeze(-1)).view(out_f, in_f).double()
+    denom = max(ref, 1e-30)
+    return GptqLayerResult(
+        q=q.to(torch.int8),
+        scale=scale.float(),
+        rel_error_rtn=_quadratic_error(rtn_dq - w_orig.double(), h_ref) / denom,
+        rel_error_gptq=_quadratic_error(gptq_dq - w_orig.double(), h_ref) / denom,
+    )
+
+
+class HessianCollector:
+    """Accumulates ``sum x x^T`` over the inputs a set of Linears receive (one Hessian per input)."""
+
+    def __init__(self, model: nn.Module, names: list[str], scheme: WeightScheme | None = None):
+        self.model, self.scheme = model, scheme
+        self.h: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
+        self._handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
+
+    def _hook(self, name: str) -> Callable:
+        def fn(_mod, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
+                x = qdq_act(x, self.scheme)
+            x = x.double()
+            if name not in self.h:
+                self.h[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+                self.tokens[name] = 0
+            self.h[name] += x.t() @ x
+            self.tokens[name] += x.shape[0]
+
+        return fn
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _block_of(name: str, blocks: list[str]) -> str | None:
+    for b in blocks:
+        if name.startswith(b + "."):
+            return b
+    return None
+
+
+def _decoder_blocks(model: nn.Module) -> list[str]:
+    """Names of the repeated decoder blocks (``model.layers.N``), in order."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
+            return [f"{name}.{i}" for i in range(len(mod))]
+    return []
+
+
+def _untie(model: nn.Module, names: list[str]) -> None:
+    """Give each target Linear its own weight if it shares one (a tied lm_head shares the embedding)."""
+    owners: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    for n in names:
+        lin = model.get_submodule(n)
+        if owners.get(id(lin.weight), 0) > 1:
+            lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
+
+
+@dataclass
+class GptqRunResult:
+    layers: dict[str, GptqLayerResult] = field(default_factory=dict)
+    tokens: int = 0
+
+    def summary(self) -> dict:
+        rtn = [r.rel_error_rtn for r in self.layers.values()]
+        gq = [r.rel_error_gptq for r in self.layers.values()]
+        n = max(len(rtn), 1)
+        return {
+            "layers": len(self.layers),
+            "calibration_tokens": self.tokens,
+            "mean_rel_output_error_rtn": round(sum(rtn) / n, 6),
+            "mean_rel_output_error_gptq": round(sum(gq) / n, 6),
+            "output_error_reduction": round(1.0 - sum(gq) / max(sum(rtn), 1e-30), 4),
+        }
+
+
+@torch.no_grad()
+def gptq_model(
+    model: nn.Module,
+    targets: dict[str, WeightScheme],
+    windows: list[torch.Tensor],
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    scale_init: ScaleInit = "absmax",
+    log: Callable[[str], None] | None = None,
+) -> GptqRunResult:
+    """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
+
+    For each decoder block, the calibration windows run through the model (stopping after
+    that block) with every earlier block already quantized; the block's Linears are then
+    quantized from the Hessians of the inputs they received, and their fp32 weights replaced
+    by the de-quantized GPTQ values (exactly on the grid), so later blocks calibrate on what
+    the quantized model computes. Linears outside the decoder blocks (``lm_head``) come last.
+    The caller turns the returned integers and scales into its runtime's tensors.
+    """
+    if not windows:
+        raise ValueError("GPTQ needs calibration windows (ctx.calibration is empty)")
+    blocks = _decoder_blocks(model)
+    _untie(model, list(targets))
+    stages: dict[str | None, list[str]] = {}
+    for name in targets:
+        stages.setdefault(_block_of(name, blocks), []).append(name)
+    order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
+    result = GptqRunResult()
+    for step, block in enumerate(order):
+        names = stages[block]
+        collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
+        stop = None
+        if block is not None and block != blocks[-1]:
+            def _halt(_m, _a, _o):
+                raise _StopForward
+            stop = model.get_submodule(block).register_forward_hook(_halt)
+        try:
+            for w in windows:
+                try:
+                    model(w.view(1, -1))
+                except _StopForward:
+                    pass
+        finally:
+            collector.close()
+            if stop is not None:
+                stop.remove()
+        result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
+        for name in names:
+            if name not in collector.h:
+                raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
+            lin = model.get_submodule(name)
+            res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
+                             act_order=act_order, scale_init=scale_init)
+            lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
+            result.layers[name] = res
+        if log:
+            log(f"gptq {step + 1}/{len(order)} {block or 'outside blocks'}: {len(names)} layers")
+    return result
