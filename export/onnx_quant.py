@@ -69,6 +69,17 @@ def untie_lm_head(model: onnx.ModelProto) -> bool:
     return True
 
 
+def _replace_node(g: onnx.GraphProto, node: onnx.NodeProto, new: list[onnx.NodeProto],
+                  weight: onnx.TensorProto) -> None:
+    """Put ``new`` where ``node`` stood (keeping topological order); drop ``weight`` if nothing reads it now."""
+    idx = list(g.node).index(node)
+    g.node.remove(node)
+    for k, n in enumerate(new):
+        g.node.insert(idx + k, n)
+    if not any(weight.name in n.input for n in g.node):
+        g.initializer.remove(weight)
+
+
 def quantize_embedding_rows(model: onnx.ModelProto, input_name: str = "input_ids") -> str | None:
     """Store the token-embedding table as int8 with one fp32 scale per row (symmetric).
 
@@ -93,13 +104,8 @@ def quantize_embedding_rows(model: onnx.ModelProto, input_name: str = "input_ids
         onnx.helper.make_node("Cast", [out + ".q"], [out + ".f"], name=node.name + "_cast", to=onnx.TensorProto.FLOAT),
         onnx.helper.make_node("Mul", [out + ".f", out + ".s"], [out], name=node.name + "_dq"),
     ]
-    idx = list(g.node).index(node)
-    g.node.remove(node)
-    for k, n in enumerate(new):
-        g.node.insert(idx + k, n)
-    # The fp32 table may still feed a tied lm_head; drop it only when nothing reads it.
-    if not any(node.input[0] in n.input for n in g.node):
-        g.initializer.remove(inits[node.input[0]])
+    # The fp32 table may still feed a tied lm_head; it is dropped only when nothing reads it.
+    _replace_node(g, node, new, inits[node.input[0]])
     return node.name
 
 
@@ -205,12 +211,7 @@ def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str]) -> int
             mk("Mul", [t("acc0"), t("s")], [t("rows")], name=t("rows")),
             mk("Mul", [t("rows"), base + ".w_scale"], [y], name=t("cols")),
         ]
-        idx = list(g.node).index(node)
-        g.node.remove(node)
-        for k, n in enumerate(new):
-            g.node.insert(idx + k, n)
-        if not any(node.input[1] in n.input for n in g.node):
-            g.initializer.remove(inits[node.input[1]])
+        _replace_node(g, node, new, inits[node.input[1]])
         count += 1
     return count
 

@@ -128,9 +128,9 @@ class Ptq8Config(StageConfig):
         description="size_budget_mb only: module patterns, each one candidate group (e.g. 'model.layers.0', "
         "'*.down_proj'); default every block, every projection type and lm_head",
     )
-    budget_windows: int = Field(
-        2, ge=1, le=64, description="size_budget_mb / max_decode_slowdown_pct only: calibration windows the "
-        "sensitivity scoring runs"
+    budget_windows: int | None = Field(
+        None, ge=1, le=64, description="size_budget_mb / max_decode_slowdown_pct only: calibration windows the "
+        "sensitivity scoring runs (default 2)"
     )
     modules: list[str] | None = Field(
         None,
@@ -179,7 +179,7 @@ class Ptq8Config(StageConfig):
             for opt in ("budget_candidates", "budget_promote_to"):
                 if getattr(self, opt) is not None:
                     raise ValueError(f"{opt} applies only with size_budget_mb or max_decode_slowdown_pct")
-            if "budget_windows" in self.model_fields_set:
+            if self.budget_windows is not None:
                 raise ValueError("budget_windows applies only with size_budget_mb or max_decode_slowdown_pct")
         if self.scheme == "8da8w" and self.budget_promote_to == "8da8w":
             raise ValueError("budget_promote_to: 8da8w needs scheme 8da4w (the layers already are 8da8w); use fp32")
@@ -331,7 +331,7 @@ def _budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: dict) 
     if not ctx.calibration:
         raise ValueError("ptq_int8: size_budget_mb / max_decode_slowdown_pct need calibration text to score sensitivity")
     algorithm = "hqq" if cfg.weight_qparams == "hqq_scale_only" else "rtn"
-    plan, scored = budget_keep(model, p["selected"], ctx.calibration[: cfg.budget_windows], cfg.scheme,
+    plan, scored = budget_keep(model, p["selected"], ctx.calibration[: cfg.budget_windows or 2], cfg.scheme,
                                cfg.effective_group_size, cfg.size_budget_mb, cfg.budget_candidates, algorithm,
                                promote_to=cfg.promote_to, decode_budget_pct=cfg.max_decode_slowdown_pct,
                                int8_fixed=set(p["int8"]))

@@ -223,7 +223,7 @@ def test_non_fp32_model_refused(tmp_path):
 
 
 @pytest.mark.parametrize("opts,needle", [
-    ({"quantize": "int4"}, "'none', 'dynamic' or 'static'"),
+    ({"quantize": "int4"}, "'none', 'dynamic', 'dynamic_per_token' or 'static'"),
     ({"calibrate_method": "mse"}, "'minmax', 'entropy' or 'percentile'"),
     ({"opset": 17}, "greater than or equal to 18"),
     ({"graph_optimization_level": "max"}, "'disable', 'basic', 'extended' or 'all'"),
