@@ -319,7 +319,8 @@ def test_smollm2_export_dynamic_int8(smollm2_loaded, pydoc_splits, tmp_path):
         if mode == "dynamic_per_token":
             assert runner.size_bytes() < 0.35 * r32.size_bytes()
             assert "Paris" in lm.tokenizer.decode(greedy_generate(runner, prompt, 10))
-    # measured on this window: fp32 13.1, per-tensor dynamic +60%, per-token +5% (no SmoothQuant here)
+    # no SmoothQuant here; on the 4096-token reference bench/accuracy.py measured ORT's dynamic
+    # quantizer at +51% and per-token with SmoothQuant (every weight int8) at +1.2%
     assert ppl["dynamic_per_token"] < 1.10 * ppl["fp32"], ppl
     assert ppl["dynamic_per_token"] - ppl["fp32"] < 0.25 * (ppl["dynamic"] - ppl["fp32"]), ppl
 
