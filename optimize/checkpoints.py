@@ -78,9 +78,20 @@ def load_stage(path: Path, restores: list[Callable[[torch.nn.Module], None]]) ->
         # assign=True leaves two Parameters sharing one storage; make them one Parameter again
         model.tie_weights()
     _materialize_buffers(model, config)
+    _freeze_quantized(model)
     model.eval()
     row = json.loads((path / "row.json").read_text())
     return model, row
+
+
+def _freeze_quantized(model: torch.nn.Module) -> None:
+    """``assign=True`` wraps loaded tensors in Parameters that require grad; a quantized tensor
+    subclass (integer data inside) must not, or ``torch.export`` refuses it. Stages that quantize
+    install them with ``requires_grad=False``; this restores that."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.requires_grad and type(p.data) is not torch.Tensor:
+                module._parameters[name] = torch.nn.Parameter(p.data, requires_grad=False)
 
 
 def load_stage_row(path: Path) -> dict:

@@ -129,3 +129,32 @@ def test_gptq_without_calibration_text_says_so(tiny_llama, tiny_cfg, tmp_path):
                        target=None, work_dir=tmp_path)
     with pytest.raises(ValueError, match="calibration_tokens"):
         get_stage("ptq_int8").fn(tiny_llama, _stage(tiny_cfg, algorithm="gptq"), ctx)
+
+
+@pytest.mark.slow
+def test_pipeline_ships_the_mix_and_the_report_shows_it(tiny_cfg):
+    """A GPTQ stage with a hand-listed mix, exported to ExecuTorch: the report's precision section
+    names the mix twice, from the stage and read back from the exported graph, and a rerun resumes
+    the quantized stage from its checkpoint (custom-scale torchao tensors reload)."""
+    from pathlib import Path
+
+    from optimize import run_pipeline
+
+    tiny_cfg["stages"] = [{"kind": "ptq_int8", "scheme": "8da4w", "algorithm": "gptq",
+                           "keep_high_precision": ["model.layers.0"], "int8_modules": ["lm_head"]}]
+    tiny_cfg["target"] = "executorch"
+    tiny_cfg["export"] = {"executorch": {"max_seq_len": 160}}
+    tiny_cfg["checks"]["generate_tokens"] = 0
+    cfg = load_config(tiny_cfg)
+    report = run_pipeline(cfg, say=lambda m: None)
+    assert report.ok, [r.error for r in report.rows]
+    exported = report.row("export:executorch").details["quantization"]["exported_linear"]
+    assert exported["counts"] == {"fp32": 7, "8da4w": 7, "8da8w": 1}
+    md = (Path(report.output_dir) / "report.md").read_text()
+    assert "## Precision of the Linear layers" in md
+    assert "0:ptq_int8 (gptq): fp32 7 · 8da8w 1 · 8da4w 7; 8da8w: lm_head; fp32: model.layers.0." in md
+    assert "export:executorch, read from the exported graph: fp32 7 · 8da4w 7 · 8da8w 1; 8da4w: model.layers.1." in md
+    messages: list[str] = []
+    again = run_pipeline(load_config(tiny_cfg), say=messages.append)
+    assert any("resuming" in m for m in messages), messages
+    assert again.row("export:executorch").details["quantization"]["exported_linear"] == exported
