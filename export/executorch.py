@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -26,6 +25,14 @@ from pydantic import Field
 from export.atomic import atomic_path, atomic_write_json, sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
 from export.executorch_runtime import ExecuTorchRunner
+from export.linear_schemes import (
+    check_mix,
+    exported_linear_schemes,
+    linear_scheme,
+    mix_details,
+    module_schemes,
+    quantization_mix,
+)
 
 PTE_NAME = "model.pte"
 MANIFEST_NAME = "manifest.json"
@@ -78,91 +85,12 @@ def _is_lm_head(fqn: str) -> bool:
     return fqn == "lm_head" or fqn.endswith(".lm_head")
 
 
-def _linear_scheme(weight: torch.Tensor) -> str:
-    """Name the scheme of one Linear weight: fp32, 8da4w, 8da8w, int8wo or the subclass name."""
-    cls = type(weight)
-    if cls in (torch.Tensor, torch.nn.Parameter):
-        return "fp32" if weight.dtype == torch.float32 else str(weight.dtype).replace("torch.", "")
-    name = cls.__name__
-    if name == "IntxUnpackedToInt8Tensor":
-        bits = str(getattr(weight, "target_dtype", "")).replace("torch.", "")
-        if getattr(weight, "activation_quantization", None) is None:
-            return f"{bits}wo"
-        return {"int4": "8da4w", "int8": "8da8w"}.get(bits, f"8da{bits}")
-    if name in ("Int8Tensor", "AffineQuantizedTensor"):
-        return "int8wo" if getattr(weight, "act_quant_kwargs", None) is None else name
-    return name
-
-
-def quantization_mix(model: torch.nn.Module) -> dict[str, int]:
-    """How many nn.Linear layers hold each scheme (for the report and the manifest)."""
-    return dict(
-        Counter(_linear_scheme(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear))
-    )
-
-
-def module_schemes(model: torch.nn.Module) -> dict[str, str]:
-    """Each nn.Linear's scheme in the eager model, by module name."""
-    return {f: _linear_scheme(m.weight) for f, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-_BITS = {(-8, 7): 4, (-128, 127): 8}
-
-
-def exported_linear_schemes(ep: torch.export.ExportedProgram) -> dict[str, str]:
-    """The scheme each ``aten.linear`` of the exported graph really computes, by module name.
-
-    Read from the graph, not the eager model: a weight that reaches the linear through
-    ``torchao.dequantize_affine`` with int4 or int8 bounds is quantized, an input that went
-    through ``quantize_affine`` -> ``dequantize_affine`` is the dynamic int8 activation. This is
-    what the XNNPACK partitioner pattern-matches, so it is what the .pte runs.
-    """
-    out: dict[str, str] = {}
-    for node in ep.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-            continue
-        stack = node.meta.get("nn_module_stack") or {}
-        path = list(stack.values())[-1][0] if stack else node.name
-        path = path.split(".", 1)[1] if path.startswith("model.") else path  # the export wrapper's attribute
-        w, x = node.args[1], node.args[0]
-        bits = None
-        if isinstance(w, torch.fx.Node) and w.op == "call_function" and "dequantize_affine" in str(w.target):
-            bits = _BITS.get((w.args[-2], w.args[-1]))
-        dyn = isinstance(x, torch.fx.Node) and "dequantize_affine" in str(x.target)
-        if bits is None:
-            out[path] = "fp32"
-        else:
-            out[path] = f"8da{bits}w" if dyn else f"int{bits}wo"
-    return out
-
-
-def _check_mix(eager: dict[str, str], graph: dict[str, str]) -> None:
-    """Refuse to ship a program whose linears do not compute the schemes the model was given."""
-    wrong = {k: (v, graph.get(k)) for k, v in eager.items() if k in graph and graph[k] != v}
-    if wrong:
-        name, (want, got) = next(iter(wrong.items()))
-        raise ExportError(
-            f"{len(wrong)} Linear layers lost their quantization in torch.export (e.g. {name}: {want} in eager, "
-            f"{got} in the graph); the .pte would not have the mix the stages chose"
-        )
-
-
-def mix_details(schemes: dict[str, str]) -> dict:
-    """Counts per scheme, and the module names of every scheme but the most common one."""
-    counts = Counter(schemes.values())
-    if not counts:
-        return {"counts": {}, "modules": {}}
-    major = counts.most_common(1)[0][0]
-    return {"counts": dict(counts), "majority": major,
-            "modules": {s: sorted(n for n, v in schemes.items() if v == s) for s in counts if s != major}}
-
-
 def _refuse_weight_only(model: torch.nn.Module) -> None:
-    bad = [f for f, m in model.named_modules() if isinstance(m, torch.nn.Linear) and _linear_scheme(m.weight).endswith("wo")]
+    bad = [f for f, m in model.named_modules() if isinstance(m, torch.nn.Linear) and linear_scheme(m.weight).endswith("wo")]
     if bad:
         raise ExportError(
             f"{len(bad)} Linear layers (e.g. {bad[0]}) hold weight-only quantized weights "
-            f"({_linear_scheme(dict(model.named_modules())[bad[0]].weight)}); lowered to XNNPACK, int8 "
+            f"({linear_scheme(dict(model.named_modules())[bad[0]].weight)}); lowered to XNNPACK, int8 "
             "weight-only returns wrong logits (executorch 1.4.1/1.5.1). Use 8da8w or 8da4w instead."
         )
 
@@ -211,10 +139,10 @@ def _apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> None
             quantize_(model, head, lambda m, fqn: fqn in targets and _is_lm_head(fqn))
     if opts.embedding_quantize is not None:
         emb = model.get_input_embeddings()
-        if _linear_scheme(emb.weight) != "fp32":
+        if linear_scheme(emb.weight) != "fp32":
             raise ExportError(
                 f"embedding_quantize={opts.embedding_quantize!r} but the embedding is already quantized "
-                f"({_linear_scheme(emb.weight)}); set embedding_quantize: null to export it as given"
+                f"({linear_scheme(emb.weight)}); set embedding_quantize: null to export it as given"
             )
         if opts.embedding_quantize == "int4" and emb.embedding_dim % opts.embedding_group_size:
             raise ExportError(
@@ -332,7 +260,7 @@ def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions
         raise ExportError(f"torch.export of {type(model).__name__} with a static cache failed: {exc}") from exc
     timings["torch_export_s"] = time.perf_counter() - t0
     graph_schemes = exported_linear_schemes(ep)
-    _check_mix(module_schemes(model), graph_schemes)
+    check_mix(module_schemes(model), graph_schemes)
     vocab = int(model.get_input_embeddings().num_embeddings)
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -367,7 +295,7 @@ def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions
     timings["lower_s"] = time.perf_counter() - t0
     log(f"executorch: {delegation['delegated_fraction']:.1%} of ops delegated to XNNPACK; "
         f"portable: {delegation['portable_ops']}")
-    emb_scheme = _linear_scheme(model.get_input_embeddings().weight).replace("wo", "")
+    emb_scheme = linear_scheme(model.get_input_embeddings().weight).replace("wo", "")
     details = {"delegation": delegation,
                "quantization": {"linear": mix, "embedding": emb_scheme, "exported_linear": mix_details(graph_schemes)},
                "metadata": meta, "timings": timings}

@@ -149,14 +149,6 @@ def test_exported_graph_has_the_mix_the_stage_chose(exported):
     assert res.details["delegation"]["delegated_fraction"] > 0
 
 
-def test_lost_quantization_is_refused():
-    from export.executorch import _check_mix
-
-    _check_mix({"a": "8da4w", "b": "fp32"}, {"a": "8da4w", "b": "fp32"})
-    with pytest.raises(ExportError, match=r"1 Linear layers lost their quantization.*a: 8da4w in eager, fp32"):
-        _check_mix({"a": "8da4w", "b": "fp32"}, {"a": "fp32", "b": "fp32"})
-
-
 def test_delegation_reported(exported):
     d = exported["fp32"][0].details["delegation"]
     assert 0 < d["delegated_fraction"] < 1 and d["delegated_subgraphs"] > 0
