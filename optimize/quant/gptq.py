@@ -26,7 +26,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
-from optimize.quant.fakequant import WeightScheme, qdq_act, weight_scales
+from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight, weight_scales
 
 ScaleInit = Literal["absmax", "hqq", "mse"]
 
@@ -93,7 +93,7 @@ def gptq_layer(
     if not 0.0 < damp < 1.0:
         raise ValueError(f"damp={damp} must lie in (0, 1)")
     w_orig = weight.detach().float()
-    out_f, in_f = w_orig.shape
+    in_f = w_orig.shape[1]
     gs = scheme.group_size or in_f
     if in_f % gs:
         raise ValueError(f"group_size={gs} does not divide in_features={in_f}")
@@ -137,9 +137,7 @@ def gptq_layer(
     # errors on the undamped Hessian: what the calibration inputs actually see
     ref = _quadratic_error(w_orig.double(), h_ref)
     gptq_dq = (q * scale.double().repeat_interleave(gs, dim=1)).to(torch.float64)
-    rtn_s = weight_scales(w_orig, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8))
-    rtn_q = torch.clamp(torch.round(w_orig.view(out_f, -1, gs) / rtn_s.unsqueeze(-1)), qmin, qmax)
-    rtn_dq = (rtn_q * rtn_s.unsqueeze(-1)).view(out_f, in_f).double()
+    rtn_dq = qdq_weight(w_orig, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8)).double()
     denom = max(ref, 1e-30)
     return GptqLayerResult(
         q=q.to(torch.int8),

@@ -56,10 +56,9 @@ def _tied_head(model: nn.Module) -> str | None:
 def keep_cost(model: nn.Module, name: str, bits: int, group_size: int | None, promote_to: Promote = "fp32") -> float:
     """Extra stored bytes of promoting ``name`` from ``bits`` to ``promote_to`` (a tied output
     projection kept fp32 shares the embedding table, so it *saves* its quantized copy)."""
-    mod = model.get_submodule(name)
     if promote_to == "fp32" and name == _tied_head(model):
-        return -quantized_bytes(mod, bits, group_size)  # quantizing it would add an un-tied copy
-    return _promoted_bytes(mod, promote_to) - quantized_bytes(mod, bits, group_size)
+        return -quantized_bytes(model.get_submodule(name), bits, group_size)  # quantizing it would add an un-tied copy
+    return decode_cost(model, name, bits, group_size, promote_to)
 
 
 def decode_cost(model: nn.Module, name: str, bits: int, group_size: int | None, promote_to: Promote = "fp32") -> float:
@@ -68,20 +67,22 @@ def decode_cost(model: nn.Module, name: str, bits: int, group_size: int | None, 
     return _promoted_bytes(mod, promote_to) - quantized_bytes(mod, bits, group_size)
 
 
+def _linear_bytes(mod: nn.Linear, name: str, quantized: set[str], bits: int, group_size: int | None,
+                  int8: set[str] | frozenset) -> float:
+    """One Linear weight's bytes: int8 per channel if in ``int8``, ``bits`` if in ``quantized``, else fp32."""
+    if name in int8:
+        return quantized_bytes(mod, 8, None)
+    if name in quantized:
+        return quantized_bytes(mod, bits, group_size)
+    return mod.weight.numel() * 4.0
+
+
 def decode_bytes(
     model: nn.Module, quantized: set[str], bits: int, group_size: int | None, int8: set[str] | frozenset = frozenset()
 ) -> float:
     """Linear weight bytes read per decoded token: ``quantized`` at ``bits``, ``int8`` at int8, the rest fp32."""
-    total = 0.0
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            if name in int8:
-                total += quantized_bytes(mod, 8, None)
-            elif name in quantized:
-                total += quantized_bytes(mod, bits, group_size)
-            else:
-                total += mod.weight.numel() * 4.0
-    return total
+    return sum(_linear_bytes(mod, name, quantized, bits, group_size, int8)
+               for name, mod in model.named_modules() if isinstance(mod, nn.Linear))
 
 
 def model_bytes(
@@ -97,13 +98,12 @@ def model_bytes(
                 continue
             seen.add(id(p))
             if pname == "weight" and isinstance(mod, nn.Linear) and (name in quantized or name in int8):
-                total += quantized_bytes(mod, 8, None) if name in int8 else quantized_bytes(mod, bits, group_size)
+                total += _linear_bytes(mod, name, quantized, bits, group_size, int8)
             else:
                 total += p.numel() * p.element_size()
     tied = _tied_head(model)
     if tied and (tied in quantized or tied in int8):  # the un-tied quantized copy comes on top of the fp32 table
-        mod = model.get_submodule(tied)
-        total += quantized_bytes(mod, 8, None) if tied in int8 else quantized_bytes(mod, bits, group_size)
+        total += _linear_bytes(model.get_submodule(tied), tied, quantized, bits, group_size, int8)
     return total
 
 

@@ -33,28 +33,14 @@ import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
-from targets.config_base import Strict
 from optimize.stage_api import StageConfig, StageContext, register_stage
+from optimize.stages._ptq_gptq import GptqOptions, quantize_gptq
 from optimize.stages._select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
 
 #: XNNPACK's blockwise kernels need groups that are whole multiples of 32 input channels
 GROUP_MULTIPLE = 32
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_EMBEDDING_GROUP_SIZE = 32
-
-
-class GptqOptions(Strict):
-    """GPTQ settings (``algorithm: gptq``); see :mod:`optimize.quant.gptq`."""
-
-    scale_init: Literal["mse", "absmax", "hqq"] = Field(
-        "mse",
-        description="how each group's scale is fixed before the error feedback: mse (clip search that "
-        "minimises the group's rounding error; best on SmolLM2), absmax (torchao's max|w| rule), hqq",
-    )
-    act_order: bool = Field(True, description="quantize the most-used input columns first (static groups keep XNNPACK's layout)")
-    damp: float = Field(0.01, gt=0, lt=1, description="fraction of the mean Hessian diagonal added for stability")
-    block_size: int = Field(128, ge=1, le=4096, description="columns updated together (speed only; same result)")
-    calibration_windows: int = Field(8, ge=1, le=256, description="at most this many calibration windows build the Hessians")
 
 
 class Ptq8Config(StageConfig):
@@ -176,11 +162,9 @@ class Ptq8Config(StageConfig):
             raise ValueError("embedding_group_size applies only to quantize_embedding: int4")
         budget = self.size_budget_mb is not None or self.max_decode_slowdown_pct is not None
         if not budget:
-            for opt in ("budget_candidates", "budget_promote_to"):
+            for opt in ("budget_candidates", "budget_promote_to", "budget_windows"):
                 if getattr(self, opt) is not None:
                     raise ValueError(f"{opt} applies only with size_budget_mb or max_decode_slowdown_pct")
-            if self.budget_windows is not None:
-                raise ValueError("budget_windows applies only with size_budget_mb or max_decode_slowdown_pct")
         if self.scheme == "8da8w" and self.budget_promote_to == "8da8w":
             raise ValueError("budget_promote_to: 8da8w needs scheme 8da4w (the layers already are 8da8w); use fp32")
         if self.scheme == "8da8w" and self.int8_modules:
@@ -347,46 +331,6 @@ def _budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: dict) 
     return {**plan.as_details(), "sensitivity_top": scored[:12]}
 
 
-def _weight_scheme(cfg: Ptq8Config, int8: bool):
-    from optimize.quant.fakequant import scheme_for
-
-    return scheme_for("8da8w", None) if int8 or cfg.scheme == "8da8w" else scheme_for("8da4w", cfg.effective_group_size)
-
-
-def _install(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bits: int) -> None:
-    """Put GPTQ's integers and scales into the module as torchao's ``IntxUnpackedToInt8Tensor``:
-    the layout round-to-nearest produces, which ExecuTorch lowers to XNNPACK unchanged."""
-    from torchao.quantization import IntxUnpackedToInt8Tensor
-
-    gs = q.shape[1] // scale.shape[1]
-    dq = (q.float().view(q.shape[0], -1, gs) * scale.unsqueeze(-1)).view(q.shape).to(module.weight.dtype)
-    t = IntxUnpackedToInt8Tensor.from_hp(
-        dq, (1, gs), torch.int4 if bits == 4 else torch.int8,
-        activation_quantization="int8_asym_per_token", intx_choose_qparams_algorithm=None,
-        custom_scale=scale.to(module.weight.dtype), custom_zero_point=torch.zeros_like(scale, dtype=torch.int8),
-    )
-    if not torch.equal(t.qdata, q):  # the grid must survive the round trip exactly, or the .pte drifts
-        raise RuntimeError(f"GPTQ integers changed when building the torchao tensor ({(t.qdata != q).sum()} values)")
-    module.weight = nn.Parameter(t, requires_grad=False)
-
-
-def _quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: list[str], eight: list[str]) -> dict:
-    from optimize.quant.gptq import gptq_model
-
-    if not ctx.calibration:
-        raise ValueError("ptq_int8: algorithm gptq needs calibration text; set data.calibration_tokens > 0")
-    opts = cfg.gptq or GptqOptions()
-    targets = {n: _weight_scheme(cfg, False) for n in four} | {n: _weight_scheme(cfg, True) for n in eight}
-    was_training = model.training
-    model.eval()
-    res = gptq_model(model, targets, ctx.calibration[: opts.calibration_windows], damp=opts.damp,
-                     block_size=opts.block_size, act_order=opts.act_order, scale_init=opts.scale_init, log=ctx.log)
-    model.train(was_training)
-    for name, r in res.layers.items():
-        _install(model.get_submodule(name), r.q, r.scale, targets[name].bits)
-    return {**res.summary(), **opts.model_dump()}
-
-
 @register_stage("ptq_int8", Ptq8Config)
 def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), round-to-nearest or GPTQ, mixed precision by hand or by budget."""
@@ -404,7 +348,7 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     four = [n for n in p["selected"] if n not in set(eight)]
     gptq = None
     if cfg.algorithm == "gptq":
-        gptq = _quantize_gptq(model, cfg, ctx, four, eight)
+        gptq = quantize_gptq(model, cfg, ctx, four, eight)
     else:
         sel4 = set(four)
         quantize_(model, linear_config(cfg), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in sel4)
