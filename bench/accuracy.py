@@ -113,7 +113,7 @@ def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, promp
                 prev: dict | None = None) -> dict:
     """Export (unless cached), then accuracy through the runtime and latency. ``prev`` (a row of an
     earlier run's JSON) supplies the accuracy figures, so only latency is measured again."""
-    from export.atomic import atomic_write_json
+    from targets.atomic import atomic_write_json
     from export.base import get_exporter
     from export.runtime import EagerRunner
     from export.verify import latency
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
 
-    from export.atomic import atomic_write_json, atomic_write_text
+    from targets.atomic import atomic_write_json, atomic_write_text
     from export.runtime import EagerRunner
     from optimize.checks.accuracy import BaselineLogits, eval_windows, evaluate
     from train.corpus import load_text, split_corpus, tokenize

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from optimize.heal import HealConfig, heal  # noqa: E402
+from optimize.finetune import FinetuneConfig, finetune  # noqa: E402
 from optimize.stage_api import StageContext, get_stage  # noqa: E402
 
 
@@ -159,9 +159,10 @@ def bench_gqa(args, rows: list[tuple[str, str]]) -> None:
     spec = get_stage("gqa")
     model = spec.fn(model, spec.config_cls.model_validate({"kind": "gqa", "num_key_value_heads": 1}), ctx)
     ppl_gqa = perplexity(model, splits.eval_ids)
-    hcfg = HealConfig(mode="distill", steps=args.heal_steps, lr=args.heal_lr, seq_len=args.heal_seq_len,
-                      batch_size=args.heal_batch, warmup_steps=min(5, args.heal_steps // 5), progress=True)
-    facts = heal(model, hcfg, splits.train_ids, teacher=base, seed=0, log=print)
+    hcfg = FinetuneConfig(loss="distill", steps=args.heal_steps, optimizer={"lr": args.heal_lr, "betas": (0.9, 0.999)},
+                          seq_len=args.heal_seq_len, batch={"micro_batch_size": args.heal_batch},
+                          schedule={"warmup_steps": min(5, args.heal_steps // 5), "decay": "constant"}, progress=True)
+    facts = finetune(model, hcfg, splits.train_ids, teacher=base, seed=0, who="heal", log=print)
     ppl_healed = perplexity(model, splits.eval_ids)
     d = ctx.details
     rows += [
@@ -173,9 +174,9 @@ def bench_gqa(args, rows: list[tuple[str, str]]) -> None:
                                           f"{d['kv_cache_bytes_per_token_after'] * 2048 / 2**20:.1f} MiB"),
         ("[gqa] perplexity baseline (ref 14.71)", f"{ppl_base:.2f}"),
         ("[gqa] perplexity after GQA, no heal", f"{ppl_gqa:.2f}"),
-        ("[gqa] perplexity after heal", f"{ppl_healed:.2f} (distill KL, {hcfg.steps} steps x {hcfg.batch_size}x"
-                                         f"{hcfg.seq_len} tok = {hcfg.steps * hcfg.batch_size * hcfg.seq_len} tokens, "
-                                         f"lr {hcfg.lr}, {facts['wall_s']:.0f} s)"),
+        ("[gqa] perplexity after heal", f"{ppl_healed:.2f} (distill KL, {hcfg.steps} steps x {hcfg.batch.micro_batch_size}x"
+                                         f"{hcfg.seq_len} tok = {facts['tokens_seen']} tokens, "
+                                         f"lr {hcfg.optimizer.lr}, {facts['wall_s']:.0f} s)"),
         ("[gqa] heal KL first -> last step", f"{facts['loss_first']:.3f} -> {facts['loss_last']:.3f} (first5/last5 means "
                                              f"{facts['loss_first5_mean']:.3f} -> {facts['loss_last5_mean']:.3f})"),
     ]

@@ -150,7 +150,7 @@ def main() -> None:
             f" {r['trainable']:11,d}  {note}"
         )
     text = "\n".join(lines) + "\n"
-    from export.atomic import atomic_write_text
+    from targets.atomic import atomic_write_text
 
     atomic_write_text(a.out, text)
     print(text)

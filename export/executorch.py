@@ -22,7 +22,7 @@ from typing import Any, Literal, Sequence
 import torch
 from pydantic import Field
 
-from export.atomic import atomic_path, atomic_write_json, sha256_file
+from targets.atomic import atomic_path, atomic_write_json, sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
 from export.executorch_runtime import ExecuTorchRunner
 from export.linear_schemes import (

@@ -21,7 +21,7 @@ from typing import Literal, Sequence
 import torch
 from pydantic import Field, model_validator
 
-from export.atomic import atomic_write_json, sha256_file
+from targets.atomic import atomic_write_json, sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
 from export.onnx_runner import MANIFEST, OnnxRuntimeRunner, onnx_files
 from export.runtime import EagerRunner, Runner

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from export.atomic import atomic_dir
+from targets.atomic import atomic_dir
 
 COMPLETE = "COMPLETE"
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from export.atomic import atomic_path, atomic_write_json, atomic_write_text
+from targets.atomic import atomic_path, atomic_write_json, atomic_write_text
 
 REPORT_SCHEMA_VERSION = "1.0"
 

@@ -176,7 +176,7 @@ def _plot(report: SensitivityReport, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from export.atomic import atomic_path
+    from targets.atomic import atomic_path
 
     ents = report.entries[:40]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.22 * len(ents) + 1)))
@@ -194,7 +194,7 @@ def _plot(report: SensitivityReport, path: Path) -> None:
 
 def write_sensitivity(report: SensitivityReport, out_dir: str | Path) -> dict[str, Path]:
     """Write ``sensitivity.json``, ``sensitivity.md`` and ``sensitivity.png`` atomically."""
-    from export.atomic import atomic_write_json, atomic_write_text
+    from targets.atomic import atomic_write_json, atomic_write_text
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

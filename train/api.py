@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from export.atomic import atomic_write_json
+from targets.atomic import atomic_write_json
 from train.config import TrainRecipe
 from train.corpus import load_text, tokenize
 from train.distributed import init_distributed, teardown

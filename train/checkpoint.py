@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from export.atomic import _fsync_dir, atomic_path, atomic_write_json, atomic_write_text
+from targets.atomic import atomic_path, atomic_write_json, atomic_write_text, fsync_dir, fsync_tree
 
 log = logging.getLogger("optimize.train")
 
@@ -138,10 +138,11 @@ def save_checkpoint(
     if rank == 0:
         atomic_write_json(tmp / "trainer_state.json", _jsonable({"step": step, **trainer_state}))
         atomic_write_text(tmp / MARKER, f"step {step}\n")
+        fsync_tree(tmp)  # the DCP shards too: the rename must not outrun their data
         if final.exists():  # re-saving the same step (e.g. final == interval): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         for _, old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from export.atomic import atomic_dir
+from targets.atomic import atomic_dir
 from train.config import LoRAConfig
 from train.lora import merged_state_dict, plain_model
 

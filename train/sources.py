@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Union
 import torch
 from pydantic import Field
 
-from export.atomic import atomic_dir
+from targets.atomic import atomic_dir
 from targets.config_base import Strict
 
 log = logging.getLogger("optimize")

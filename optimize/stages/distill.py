@@ -5,7 +5,7 @@ distill stage after a lossy stage (pruning, a rewrite, quantization-aware layers
 model back toward what it was; a ``teacher`` model source distils from a different (larger)
 model that shares the tokenizer. The loss is KL at a temperature (scaled by T^2), mixed with
 next-token cross-entropy on the real text by ``alpha``. Training runs on the shared loop
-(``train.loop``) through :func:`optimize.heal.train_in_place`, on ``ctx.train_ids``, which is
+(``train.loop``) through :func:`optimize.finetune.finetune`, on ``ctx.train_ids``, which is
 disjoint from the evaluation text.
 """
 
@@ -17,38 +17,14 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from optimize.heal import train_in_place
-from optimize.losses import distill_loss_fn
+from optimize.finetune import FinetuneConfig, finetune
 from optimize.stage_api import StageConfig, StageContext, register_stage
-from train.config import BatchConfig, MemoryConfig, OptimizerConfig, PrecisionConfig, ScheduleConfig
 from train.sources import ModelSource
 
 
-class TrainingStageConfig(StageConfig):
-    """Training fields shared by the stages that fine-tune inside the pipeline (distill, qat)."""
-
-    steps: int = Field(50, ge=1, description="optimizer steps")
-    seq_len: int = Field(256, ge=8, description="tokens per training window (non-overlapping windows of ctx.train_ids)")
-    temperature: float = Field(1.0, gt=0, description="softmax temperature of the KL term (loss scaled by T^2)")
-    alpha: float = Field(
-        0.0, ge=0, lt=1, description="weight of next-token cross-entropy on the real text; 1 - alpha weighs the KL"
-    )
-    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this (null = off)")
-    optimizer: OptimizerConfig = Field(
-        default_factory=lambda: OptimizerConfig(lr=5e-5),
-        description="train loop optimizer (AdamW); a small lr because the model is already trained",
-    )
-    schedule: ScheduleConfig = Field(
-        default_factory=lambda: ScheduleConfig(warmup_steps=0, decay="constant"),
-        description="train loop learning-rate schedule",
-    )
-    batch: BatchConfig = Field(
-        default_factory=lambda: BatchConfig(micro_batch_size=2),
-        description="windows per micro-batch and gradient accumulation steps",
-    )
-    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32 or bf16/fp16 autocast")
-    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="activation checkpointing/offload")
-    progress: bool = Field(False, description="show the train loop's tqdm bar")
+class TrainingStageConfig(StageConfig, FinetuneConfig):
+    """Stages that fine-tune inside the pipeline (distill, qat): the stage fields plus
+    :class:`~optimize.finetune.FinetuneConfig`, the same shape as the rewrite stages' ``heal``."""
 
 
 class DistillConfig(TrainingStageConfig):
@@ -103,30 +79,14 @@ def resolve_teacher(model: nn.Module, source, ctx: StageContext, who: str) -> nn
 
 
 def run_training(model: nn.Module, cfg: TrainingStageConfig, ctx: StageContext, teacher: nn.Module | None, who: str) -> dict:
-    """Fine-tune ``model`` in place with the stage's loop settings; KL to ``teacher`` or plain LM loss."""
-    loss_fn = distill_loss_fn(teacher, cfg.temperature, cfg.alpha) if teacher is not None else None
-    return train_in_place(
-        model,
-        ctx.train_ids,
-        loss_fn,
-        steps=cfg.steps,
-        seq_len=cfg.seq_len,
-        optimizer=cfg.optimizer,
-        schedule=cfg.schedule,
-        batch=cfg.batch,
-        grad_clip=cfg.grad_clip,
-        precision=cfg.precision,
-        memory=cfg.memory,
-        seed=ctx.seed,
-        progress=cfg.progress,
-        who=who,
-    )
+    """Fine-tune ``model`` in place with the stage's settings: KL to ``teacher`` (loss: distill) or LM loss."""
+    return finetune(model, cfg, ctx.train_ids, teacher=teacher, seed=ctx.seed, who=who, log=lambda _msg: None)
 
 
 @register_stage("distill", DistillConfig)
 def distill(model: nn.Module, cfg: DistillConfig, ctx: StageContext) -> nn.Module:
     """Knowledge distillation on train text: KL to a teacher (default: the pre-pipeline model), optional CE mix."""
-    teacher = resolve_teacher(model, cfg.teacher, ctx, "distill")
+    teacher = resolve_teacher(model, cfg.teacher, ctx, "distill") if cfg.loss == "distill" else None
     facts = run_training(model, cfg, ctx, teacher, "distill")
     del teacher  # a loaded teacher is freed with the stage
     ctx.details.update(

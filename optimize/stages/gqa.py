@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field
 from torch import nn
 
-from optimize.heal import HealConfig, heal
+from optimize.finetune import FinetuneConfig, finetune
 from optimize.rewrites.gqa import convert_to_gqa
 from optimize.stage_api import StageConfig, StageContext, register_stage
 
@@ -26,14 +26,14 @@ class GQAConfig(StageConfig):
     init: Literal["mean", "first", "random"] = Field(
         "mean", description="new KV head from its group: mean-pool (paper), first head, or random (ablations)"
     )
-    heal: HealConfig | None = Field(None, description="short distillation/fine-tune after the rewrite")
+    heal: FinetuneConfig | None = Field(None, description="short distillation/fine-tune after the rewrite")
 
 
 @register_stage("gqa", GQAConfig)
 def gqa(model: nn.Module, cfg: GQAConfig, ctx: StageContext) -> nn.Module:
     """Grouped-query attention: pool K/V heads down to num_key_value_heads (mean/first/random), optional heal."""
     teacher = None
-    if cfg.heal is not None and cfg.heal.mode == "distill":
+    if cfg.heal is not None and cfg.heal.loss == "distill":
         teacher = copy.deepcopy(model).eval()  # the pre-rewrite model, before any weight changes
     before, after = convert_to_gqa(model, cfg.num_key_value_heads, cfg.init, seed=ctx.seed)
     facts = {
@@ -51,7 +51,7 @@ def gqa(model: nn.Module, cfg: GQAConfig, ctx: StageContext) -> nn.Module:
         f"{before.kv_bytes_per_token} -> {after.kv_bytes_per_token} bytes/token"
     )
     if cfg.heal is not None:
-        facts["heal"] = heal(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, log=ctx.log)
+        facts["heal"] = finetune(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, who="heal", log=ctx.log)
     del teacher
     ctx.details.update(facts)
     return model

@@ -44,15 +44,9 @@ class QatConfig(TrainingStageConfig):
     modules: list[str] | None = Field(
         None, min_length=1, description="fnmatch patterns restricting which nn.Linear layers are quantized"
     )
-    loss: Literal["distill", "lm"] = Field(
-        "distill",
-        description="distill: KL to the pre-pipeline fp32 model (plus alpha x CE); lm: next-token CE only",
-    )
 
     @model_validator(mode="after")
     def _valid_as_ptq(self) -> "QatConfig":
-        if self.loss == "lm" and self.alpha:
-            raise ValueError("alpha mixes CE into the distillation loss; with loss: lm it must stay 0")
         self.ptq_config()
         return self
 

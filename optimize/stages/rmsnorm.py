@@ -22,7 +22,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from optimize.heal import HealConfig, heal
+from optimize.finetune import FinetuneConfig, finetune
 from optimize.rewrites.layernorm_fold import CONFIG_KEY, apply_structure, fold_exact, swap_approximate
 from optimize.rewrites.ln_plans import RewriteRefused, plan_for
 from optimize.stage_api import StageConfig, StageContext, register_stage
@@ -35,7 +35,7 @@ class RMSNormConfig(StageConfig):
         description="if the exact rewrite does not apply (post-LN, unknown architecture), swap every LayerNorm "
         "for RMSNorm anyway (weight = gamma, beta dropped); changes the model, so heal it",
     )
-    heal: HealConfig | None = Field(
+    heal: FinetuneConfig | None = Field(
         None, description="short distillation/fine-tune after an approximate swap (needs approximate: true)"
     )
     verify_tokens: int = Field(
@@ -115,12 +115,12 @@ def _approximate(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext, reason
     msg = f"rmsnorm: approximate swap ({reason}); outputs change, the model needs healing"
     warnings.warn(msg, stacklevel=2)
     ctx.log(msg)
-    teacher = copy.deepcopy(model).eval() if cfg.heal is not None and cfg.heal.mode == "distill" else None
+    teacher = copy.deepcopy(model).eval() if cfg.heal is not None and cfg.heal.loss == "distill" else None
     record = swap_approximate(model)
     facts = {"mode": "approximate", "arch": record["arch"], "norms_replaced": len(record["norms"]),
              "reason": reason, "reload": "optimize.rewrites.layernorm_fold.load_rewritten(dir)"}
     if cfg.heal is not None:
-        facts["heal"] = heal(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, log=ctx.log)
+        facts["heal"] = finetune(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, who="heal", log=ctx.log)
         del teacher
     ctx.details.update(facts)
     return model

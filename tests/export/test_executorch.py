@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from export.atomic import sha256_file
+from targets.atomic import sha256_file
 from export.base import ExportError, exporter_for_artifact, get_exporter
 from export.executorch import ExecuTorchExporter, ExecuTorchOptions, _apply_quantization, quantization_mix
 from export.executorch_runtime import ExecuTorchRunner

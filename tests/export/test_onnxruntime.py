@@ -12,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from export.atomic import sha256_file
+from targets.atomic import sha256_file
 from export.base import ExportError, get_exporter
 from export.onnxruntime import OnnxRuntimeExporter, OnnxRuntimeOptions, OnnxRuntimeRunner, check_onnx
 from export.runtime import EagerRunner, RunnerError, greedy_generate

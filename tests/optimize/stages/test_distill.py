@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from optimize.heal import HealError
+from optimize.finetune import FinetuneError
 from optimize.losses import kl_to_teacher
 from optimize.stage_api import StageContext, get_stage
 from optimize.stages.distill import DistillConfig
@@ -109,9 +109,9 @@ def test_bad_values_are_clear(tmp_path):
     teacher, student = teacher_and_student()
     with pytest.raises(ValueError, match="no teacher: the pipeline passed no baseline model"):
         run(student, DistillConfig(steps=1, seq_len=32), ctx_for(tmp_path, None))
-    with pytest.raises(HealError, match="needs at least seq_len\\+1=257 training tokens; ctx.train_ids has 100"):
+    with pytest.raises(FinetuneError, match="needs at least seq_len\\+1=257 training tokens; ctx.train_ids has 100"):
         run(student, DistillConfig(steps=1), ctx_for(tmp_path, teacher, TRAIN[:100]))
-    with pytest.raises(HealError, match="holds 2 windows of seq_len=32, fewer than the 4"):
+    with pytest.raises(FinetuneError, match="holds 2 windows of seq_len=32, fewer than the 4"):
         run(student, DistillConfig(steps=1, seq_len=32, batch={"micro_batch_size": 4}),
             ctx_for(tmp_path, teacher, TRAIN[:70]))
     with pytest.raises(ValueError, match="the teacher's vocabulary has 128 tokens, the model's 256"):

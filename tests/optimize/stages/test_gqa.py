@@ -141,10 +141,10 @@ def test_unsupported_architecture(tmp_path):
 
 def test_heal_block_records_loss_curve(tmp_path):
     c = ctx(tmp_path)
-    heal = {"steps": 3, "seq_len": 16, "batch_size": 1, "progress": False}
+    heal = {"steps": 3, "seq_len": 16, "batch": {"micro_batch_size": 1}, "progress": False}
     run(llama(kv_heads=4), {"num_key_value_heads": 1, "heal": heal}, c)
     h = c.details["heal"]
-    assert h["mode"] == "distill" and h["steps"] == 3 and len(h["loss_curve"]) == 3
+    assert h["loss"] == "distill" and h["steps"] == 3 and len(h["loss_curve"]) == 3
     assert math.isfinite(h["loss_first"]) and math.isfinite(h["loss_last"])
 
 

@@ -2,6 +2,8 @@
 
 Everything we ship (models, reports, manifests, checkpoints) goes through these helpers:
 write to a temporary sibling, flush and fsync, then ``os.replace`` onto the final name.
+It lives in ``targets`` (the leaf package) so that ``export``, ``train`` and ``optimize``
+all use the same few functions.
 """
 
 from __future__ import annotations
@@ -15,7 +17,24 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file's data to disk (a rename is durable only after its content is)."""
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file below ``root``, then every directory, deepest first."""
+    dirs = []
+    for dirpath, _, filenames in os.walk(root):
+        dirs.append(Path(dirpath))
+        for name in filenames:
+            fsync_file(Path(dirpath) / name)
+    for d in reversed(dirs):
+        fsync_dir(d)
+
+
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -42,10 +61,9 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        with open(tmp_path, "rb+") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(tmp_path)
         os.replace(tmp_path, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
@@ -69,14 +87,17 @@ def atomic_write_json(final: str | os.PathLike, obj: Any) -> Path:
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary directory beside ``final``; on success it replaces ``final`` whole.
 
-    An existing ``final`` is moved aside first and deleted only after the new one is in place,
-    so at every instant either the old or the new complete directory exists.
+    Every file inside is fsynced before the rename, so after a power cut the directory is
+    either absent, the old one, or complete. An existing ``final`` is moved aside first and
+    deleted only after the new one is in place, so at every instant either the old or the new
+    complete directory exists.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
+        fsync_tree(tmp)
         old = None
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -84,7 +105,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -1,11 +1,11 @@
-"""A short healing run after a lossy rewrite: distil from the pre-rewrite model (KL to the
-teacher's next-token distribution) or plain next-token fine-tuning on ``ctx.train_ids``.
+"""Short fine-tunes inside the pipeline: healing after a lossy rewrite (``gqa``, ``rmsnorm``),
+distillation (``distill``) and quantization-aware training (``qat``).
 
-Runs on the shared loop (:func:`train.loop.train`); :func:`train_in_place` is the adapter
-every pipeline stage that trains (heal, ``distill``, ``qat``) goes through, so the stage
-contract holds for all of them: the model is trained in place, comes back in the mode and
-``requires_grad`` state it arrived in, with no gradients, no checkpoints written and the
-HF ``use_cache`` flag restored.
+One config shape (:class:`FinetuneConfig`, the trainer's names) and one adapter onto the
+shared loop (:func:`train.loop.train`): :func:`train_in_place`, which every stage that trains
+goes through, so the stage contract holds for all of them: the model is trained in place,
+comes back in the mode and ``requires_grad`` state it arrived in, with no gradients, no
+checkpoints written and the HF ``use_cache`` flag restored.
 Dropout is kept off (eval mode) while training: a few hundred steps of repair are not
 pre-training, and it keeps the run deterministic for a given seed.
 """
@@ -18,7 +18,7 @@ import time
 from typing import Callable, Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from optimize.losses import distill_loss_fn
@@ -36,25 +36,47 @@ from train.config import (
 from train.loop import causal_lm_loss
 
 
-class HealConfig(Strict):
-    """How to heal a rewritten model."""
+class FinetuneConfig(Strict):
+    """A short fine-tune inside the pipeline, in the trainer's own names (``optimizer.lr``,
+    ``batch.micro_batch_size``, ``grad_clip``): the ``heal`` block of the rewrite stages and
+    the training fields of ``distill`` and ``qat`` are all this one shape."""
 
-    mode: Literal["distill", "lm"] = Field(
-        "distill", description="distill: KL to the pre-rewrite model as teacher; lm: next-token loss on train text"
+    loss: Literal["distill", "lm"] = Field(
+        "distill", description="distill: KL to a teacher (the model before the stage, unless the stage says "
+        "otherwise), plus alpha x CE; lm: next-token cross-entropy on the training text alone"
     )
-    steps: int = Field(50, gt=0, description="optimizer steps")
-    lr: float = Field(5e-5, gt=0, description="AdamW learning rate (constant after a short warm-up)")
-    seq_len: int = Field(256, ge=8, description="tokens per training window")
-    batch_size: int = Field(2, gt=0, description="windows per step")
-    warmup_steps: int = Field(5, ge=0, description="linear learning-rate warm-up steps")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping norm")
-    temperature: float = Field(1.0, gt=0, description="softmax temperature for distillation")
-    progress: bool = Field(True, description="show a tqdm progress bar")
+    steps: int = Field(50, ge=1, description="optimizer steps")
+    seq_len: int = Field(256, ge=8, description="tokens per training window (non-overlapping windows of ctx.train_ids)")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature of the KL term (loss scaled by T^2)")
+    alpha: float = Field(
+        0.0, ge=0, lt=1, description="loss: distill only: weight of next-token cross-entropy; 1 - alpha weighs the KL"
+    )
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this (null = off)")
+    optimizer: OptimizerConfig = Field(
+        default_factory=lambda: OptimizerConfig(lr=5e-5),
+        description="train loop optimizer (AdamW); a small lr because the model is already trained",
+    )
+    schedule: ScheduleConfig = Field(
+        default_factory=lambda: ScheduleConfig(warmup_steps=0, decay="constant"),
+        description="train loop learning-rate schedule",
+    )
+    batch: BatchConfig = Field(
+        default_factory=lambda: BatchConfig(micro_batch_size=2),
+        description="windows per micro-batch and gradient accumulation steps",
+    )
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32 or bf16/fp16 autocast")
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="activation checkpointing/offload")
+    progress: bool = Field(False, description="show the train loop's tqdm bar")
+
+    @model_validator(mode="after")
+    def _alpha_needs_distill(self):
+        if self.loss == "lm" and self.alpha:
+            raise ValueError("alpha mixes CE into the distillation loss; with loss: lm it must stay 0")
+        return self
 
 
-class HealError(ValueError):
-    """Healing cannot run as configured."""
+class FinetuneError(ValueError):
+    """A fine-tune cannot run as configured, or diverged."""
 
 
 def check_tokens(train_ids: torch.Tensor, seq_len: int, windows: int, who: str) -> None:
@@ -62,10 +84,10 @@ def check_tokens(train_ids: torch.Tensor, seq_len: int, windows: int, who: str) 
     n = int(train_ids.numel())
     need = seq_len + 1
     if n < need:
-        raise HealError(f"{who} needs at least seq_len+1={need} training tokens; ctx.train_ids has {n}")
+        raise FinetuneError(f"{who} needs at least seq_len+1={need} training tokens; ctx.train_ids has {n}")
     have = (n - 1) // seq_len
     if have < windows:
-        raise HealError(
+        raise FinetuneError(
             f"{who}: ctx.train_ids ({n} tokens) holds {have} windows of seq_len={seq_len}, fewer than the "
             f"{windows} one optimizer step needs (batch x accumulation); lower seq_len or the batch"
         )
@@ -159,11 +181,11 @@ def train_in_place(
             if use_cache is not None:
                 config.use_cache = use_cache
     if result.model is not model:
-        raise HealError(f"{who}: the training loop returned a different module (LoRA/FSDP are not used in stages)")
+        raise FinetuneError(f"{who}: the training loop returned a different module (LoRA/FSDP are not used in stages)")
     losses = [result.losses[k] for k in sorted(result.losses)]
     bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
     if bad:
-        raise HealError(f"{who} loss became {losses[bad[0]]} at step {bad[0]}; lower the learning rate")
+        raise FinetuneError(f"{who} loss became {losses[bad[0]]} at step {bad[0]}; lower the learning rate")
     k = min(5, len(losses))
     stride = max(1, len(losses) // 50)
     return {
@@ -180,35 +202,45 @@ def train_in_place(
     }
 
 
-def heal(
+def finetune(
     model: nn.Module,
-    cfg: HealConfig,
+    cfg: FinetuneConfig,
     train_ids: torch.Tensor,
     *,
-    teacher: torch.nn.Module | None = None,
+    teacher: nn.Module | None = None,
+    loss_fn=None,
     seed: int = 0,
+    who: str = "finetune",
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train ``model`` in place; returns JSON-serializable facts (loss curve ends, settings)."""
-    if cfg.mode == "distill" and teacher is None:
-        raise HealError("heal mode 'distill' needs a teacher model")
-    if teacher is not None:
-        teacher.eval()
-    loss_fn = distill_loss_fn(teacher, cfg.temperature) if cfg.mode == "distill" else None
+    """Fine-tune ``model`` in place as ``cfg`` says; returns JSON-serializable facts.
+
+    ``loss: distill`` needs ``teacher``; ``loss_fn`` (``(model, batch) -> loss``) replaces the
+    loss ``cfg`` would build, for stages with losses of their own."""
+    if loss_fn is None:
+        if cfg.loss == "distill":
+            if teacher is None:
+                raise FinetuneError(f"{who}: loss 'distill' needs a teacher model")
+            teacher.eval()
+            loss_fn = distill_loss_fn(teacher, cfg.temperature, cfg.alpha)
     facts = train_in_place(
         model,
         train_ids,
         loss_fn,
         steps=cfg.steps,
         seq_len=cfg.seq_len,
-        optimizer=OptimizerConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999)),
-        schedule=ScheduleConfig(warmup_steps=cfg.warmup_steps, decay="constant"),
-        batch=BatchConfig(micro_batch_size=cfg.batch_size),
-        grad_clip=cfg.max_grad_norm,
+        optimizer=cfg.optimizer,
+        schedule=cfg.schedule,
+        batch=cfg.batch,
+        grad_clip=cfg.grad_clip,
+        precision=cfg.precision,
+        memory=cfg.memory,
         seed=seed,
         progress=cfg.progress,
-        who="heal",
+        who=who,
     )
-    out = {"mode": cfg.mode, "batch_size": cfg.batch_size, **facts}
-    log(f"heal ({cfg.mode}): loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} in {cfg.steps} steps")
+    out = {"loss": cfg.loss, "micro_batch_size": cfg.batch.micro_batch_size,
+           "grad_accum_steps": cfg.batch.grad_accum_steps, **facts}
+    log(f"{who} ({cfg.loss}): loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} in {cfg.steps} steps "
+        f"({out['tokens_seen']} tokens)")
     return out
