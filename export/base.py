@@ -37,6 +37,12 @@ class ExportResult:
     files: list[Path] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    #: further artifacts of the same export that are verified and reported on their own
+    #: (e.g. TorchChat's .pth, .pte and .pt2): label -> path that :meth:`Exporter.load` loads.
+    #: The pipeline gives each a report row named ``export:<target>:<label>``.
+    extra_artifacts: dict[str, Path] = field(default_factory=dict)
+    #: details for each extra artifact's row, by label
+    extra_details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class Exporter(abc.ABC):
@@ -62,6 +68,13 @@ class Exporter(abc.ABC):
     @abc.abstractmethod
     def load(self, artifact: Path, **kwargs) -> Runner:
         """Load an artifact written by :meth:`export` as a runner."""
+
+    def check_model(self, config: Any, options: ExportOptions) -> list[str]:
+        """Problems that the model's transformers ``config`` alone shows (architecture, shapes,
+        attention kind against what this exporter supports), as the pipeline's stages will leave
+        it. Run by ``optimize validate`` and before the first stage, so an export that cannot
+        work is refused before minutes of stages. Each problem is one sentence; [] = fine."""
+        return []
 
 
 # name -> "module:Class", imported on first use so that importing ``export`` stays cheap.

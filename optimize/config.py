@@ -114,12 +114,19 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(
-    source: str | Path | dict, overrides: Sequence[str] = (), *, target: str | None = None, check_files: bool = True
+    source: str | Path | dict,
+    overrides: Sequence[str] = (),
+    *,
+    target: str | None = None,
+    check_files: bool = True,
+    check_model: bool = True,
 ) -> PipelineConfigBase:
     """Read, override, validate and semantically check a pipeline config.
 
     ``source`` is a YAML path or an already-parsed dict. ``target`` (from ``--target``)
-    replaces the config's target. Raises :class:`ConfigError` listing every problem.
+    replaces the config's target. With ``check_model`` the model's config is read (no
+    weights) and every stage and the exporter say whether they can handle it
+    (:func:`model_problems`). Raises :class:`ConfigError` listing every problem.
     """
     label = str(source) if not isinstance(source, dict) else "<config>"
     data = read_yaml(source) if not isinstance(source, dict) else json.loads(json.dumps(source, default=str))
@@ -136,6 +143,8 @@ def load_config(
     except ValidationError as exc:
         raise ConfigError(label, problems_from(exc, data)) from None
     problems = semantic_problems(cfg, check_files=check_files)
+    if not problems and check_model and check_files:
+        problems = model_problems(cfg)
     if problems:
         raise ConfigError(label, problems)
     return cfg
@@ -195,6 +204,42 @@ def semantic_problems(cfg: PipelineConfigBase, check_files: bool = True) -> list
     return problems
 
 
+def model_problems(cfg: PipelineConfigBase, model_config: Any = None) -> list[tuple[str, str]]:
+    """What the model's transformers config shows against the stages and the target.
+
+    Each stage checks the config as the stages before it leave it (``StageConfig.check_model``
+    then ``planned_config``), then the exporter checks the final one (``Exporter.check_model``).
+    ``model_config`` defaults to the source's config read without weights; the pipeline passes
+    the loaded model's. Nothing here loads weights or runs a stage.
+    """
+    import copy
+
+    from export.base import get_exporter
+    from targets import TargetError, load_target
+    from train.sources import ModelSourceError, peek_config
+
+    if model_config is None:
+        try:
+            model_config = peek_config(cfg.model)
+        except ModelSourceError as exc:
+            return [("model", str(exc))]
+    try:
+        profile = load_target(cfg.target) if cfg.target else None
+    except TargetError as exc:
+        return [("target", str(exc))]
+    problems: list[tuple[str, str]] = []
+    config = copy.deepcopy(model_config)
+    for i, stage in enumerate(cfg.stages):
+        for msg in stage.check_model(config, profile):
+            problems.append((f"stages.{i}", f"stage {stage.label(i)!r}: {msg}"))
+        config = stage.planned_config(config)
+    if profile is not None:
+        options = export_options(cfg, profile.exporter, profile)
+        for msg in get_exporter(profile.exporter).check_model(config, options):
+            problems.append(("target", f"{profile.name} ({profile.exporter} exporter): {msg}"))
+    return problems
+
+
 def export_options(cfg: PipelineConfigBase, exporter_name: str, profile) -> Any:
     """The exporter's validated options: target defaults, then the YAML's export block."""
     from export.base import get_exporter
@@ -223,4 +268,5 @@ __all__ = [
     "dump_config",
     "json_schema",
     "load_config",
+    "model_problems",
 ]

@@ -27,7 +27,8 @@ from optimize import checkpoints as ckpt
 from optimize.checks.accuracy import BaselineLogits, evaluate, eval_windows
 from optimize.checks.latency import measure_latency, torch_threads
 from optimize.checks.size import parameter_count, serialized_bytes
-from optimize.config import PipelineConfigBase, dump_config, export_options, load_config
+from optimize.config import PipelineConfigBase, dump_config, export_options, load_config, model_problems
+from optimize.errors import ConfigError
 from optimize.gates import evaluate_gates
 from optimize.gates_config import GatesConfig, MetricGoal
 from optimize.report import Metrics, Report, StageRow, write_report
@@ -51,6 +52,8 @@ class _RunState:
     baseline_logits: BaselineLogits = field(default_factory=BaselineLogits)
     baseline_metrics: Metrics | None = None
     quantized: bool = False
+    #: hash of the config up to the last stage: what the exported model is (keys the export cache)
+    model_digest: str = ""
     say: Callable[[str], None] = print
 
 
@@ -100,6 +103,10 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     say(f"loading model ({cfg.model.source})")
     loaded = load_model(cfg.model)
     model, tokenizer = loaded.model, loaded.tokenizer
+    # pre-flight on the loaded model's own config: refuse before the first stage, not after it
+    problems = model_problems(cfg, model.config)
+    if problems:
+        raise ConfigError(cfg.name, problems)
 
     ids = tokenize(load_text(cfg.data.corpus), tokenizer)
     splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=cfg.data.calibration_tokens,
@@ -186,6 +193,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     bar.close()
 
     if profile is not None:
+        state.model_digest = ckpt.prefix_hash(config_dump, len(cfg.stages) - 1)
         _export(state, model, report)
 
 
@@ -210,7 +218,8 @@ def _record_error(report: Report, row: StageRow, exc: Exception, t0: float, say)
     row.wall_s = time.perf_counter() - t0
     report.rows.append(row)
     report.ok, report.stopped_at = False, row.name
-    log.exception("%s failed", row.name)
+    # one clear line for the user; the traceback only with -v (INFO), it is in no report
+    log.info("%s failed", row.name, exc_info=exc)
     say(f"{row.name} failed: {row.error}; last good model kept at {report.last_good_artifact}")
 
 
@@ -222,7 +231,7 @@ def _record_gated(report: Report, row: StageRow, gates: GatesConfig, baseline: M
     report.rows.append(row)
     if row.status != "fail":
         return True
-    report.ok, report.stopped_at = False, row.name
+    report.ok, report.stopped_at = False, report.stopped_at or row.name
     say(f"{row.name} failed its gates: " + "; ".join(g.message for g in row.gates if not g.ok))
     return False
 
@@ -263,45 +272,126 @@ def _fill_latency(m: Metrics, runner: Runner, state: _RunState) -> None:
 
 
 def _export(state: _RunState, model: torch.nn.Module, report: Report) -> None:
+    """Export (or reuse a cached export of) the final model; one gated row per artifact."""
     from export.base import get_exporter
+    from optimize import export_cache
 
     cfg, profile = state.cfg, state.profile
     exporter = get_exporter(profile.exporter)
     options = export_options(cfg, profile.exporter, profile)
     out_dir = state.run_dir / "export" / profile.name
     label = f"export:{profile.name}"
-    row = StageRow(index=len(cfg.stages), name=label, kind=label, runtime=profile.exporter)
     t0 = time.perf_counter()
-    state.say(f"exporting to {profile.name} ({profile.backend}) in {out_dir}")
+    cache_file = export_cache.cache_path(state.run_dir, profile.name)
+    key = export_cache.export_key(state.model_digest, profile, options)
+    checks_key = _checks_key(cfg)
+    entry = export_cache.load(cache_file, key) if cfg.resume else None
     try:
-        result = exporter.export(model, state.tokenizer, out_dir, options, calibration=state.calibration, log=state.say)
-        runner = exporter.load(result.artifact)
-        row.artifact = str(result.artifact)
-        row.details = dict(result.details)
-        m = Metrics(params=parameter_count(model))
-        size = runner.size_bytes()
-        m.size_mb = size / MIB if size is not None else None
-        row.details["runtime"] = runner.describe()
-        eager = EagerRunner(model)
-        with torch_threads(cfg.checks.latency.threads):
-            if cfg.checks.accuracy:
-                acc = evaluate(runner, state.eval_windows, state.baseline_logits, desc=profile.name)
-                m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
-                m.top1_agreement, m.kl_divergence = acc.top1_agreement, acc.kl_divergence
-                m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
-                row.details["parity_vs_eager"] = logits_parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
-            if cfg.checks.generate_tokens:
-                row.details["greedy"] = _greedy_compare(eager, runner, state)
-        if cfg.checks.latency.enabled:
-            _fill_latency(m, runner, state)
-        row.metrics = m
-        runner.close()
+        if entry is not None:
+            state.say(f"export: reusing {out_dir} (same model, export options, toolchain and exporter code)")
+            result = _result_from_cache(entry["result"])
+            if entry["checks_key"] == checks_key:
+                rows = [StageRow.model_validate(r) for r in entry["rows"]]
+                for r in rows:
+                    r.details["export_cache"] = "reused artifact and measurements"
+            else:
+                rows = _verify_export(state, model, exporter, result, label)
+                for r in rows:
+                    r.details["export_cache"] = "reused artifact, re-measured (checks changed)"
+        else:
+            export_cache.invalidate(cache_file)
+            state.say(f"exporting to {profile.name} ({profile.backend}) in {out_dir}")
+            result = exporter.export(model, state.tokenizer, out_dir, options, calibration=state.calibration,
+                                     log=state.say)
+            export_s = time.perf_counter() - t0
+            rows = _verify_export(state, model, exporter, result, label)
+            rows[0].wall_s += export_s  # the main row carries the export itself
+            rows[0].details["export_s"] = round(export_s, 2)
+            export_cache.save(cache_file, key, checks_key, _result_files(result), _result_to_cache(result),
+                              [r.model_dump(mode="json") for r in rows])
     except Exception as exc:
+        row = StageRow(index=len(cfg.stages), name=label, kind=label, runtime=profile.exporter)
         _record_error(report, row, exc, t0, state.say)
         return
     gates = cfg.gates.merged_with(_budget_gates(profile))
-    if _record_gated(report, row, gates, state.baseline_metrics, t0, state.say):
+    ok = True
+    resumed = entry is not None and entry["checks_key"] == checks_key
+    for row in rows:
+        wall = row.wall_s
+        ok = _record_gated(report, row, gates, state.baseline_metrics, t0, state.say) and ok
+        row.wall_s = wall
+        if resumed:
+            row.status = "resumed" if row.status == "pass" else row.status
+    if ok:
         report.last_good_artifact = str(result.artifact)
+
+
+def _checks_key(cfg: PipelineConfigBase) -> str:
+    """What the export rows' measurements depend on besides the artifact."""
+    import hashlib
+    import json
+
+    key = {"checks": cfg.checks.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _result_files(result) -> list[Path]:
+    return sorted({Path(f) for f in [result.artifact, *result.files, *result.extra_artifacts.values()]})
+
+
+def _result_to_cache(result) -> dict:
+    return {"artifact": str(result.artifact), "files": [str(f) for f in result.files],
+            "details": result.details, "extra_artifacts": {k: str(v) for k, v in result.extra_artifacts.items()},
+            "extra_details": result.extra_details}
+
+
+def _result_from_cache(d: dict):
+    from export.base import ExportResult
+
+    return ExportResult(artifact=Path(d["artifact"]), files=[Path(f) for f in d["files"]], details=d["details"],
+                        extra_artifacts={k: Path(v) for k, v in d["extra_artifacts"].items()},
+                        extra_details=d.get("extra_details", {}))
+
+
+def _verify_export(state: _RunState, model: torch.nn.Module, exporter, result, label: str) -> list[StageRow]:
+    """Measure every artifact of an export in its runtime against eager: one row each."""
+    index = len(state.cfg.stages)
+    rows = []
+    artifacts = [(label, result.artifact, dict(result.details))]
+    artifacts += [(f"{label}:{k}", p, dict(result.extra_details.get(k, {}))) for k, p in result.extra_artifacts.items()]
+    for name, path, details in artifacts:
+        t0 = time.perf_counter()
+        runner = exporter.load(path)
+        row = StageRow(index=index, name=name, kind=label, runtime=runner.runtime, artifact=str(path), details=details)
+        try:
+            row.metrics = _measure_runner(state, model, runner, row.details)
+        finally:
+            runner.close()
+        row.wall_s = time.perf_counter() - t0
+        rows.append(row)
+    return rows
+
+
+def _measure_runner(state: _RunState, model: torch.nn.Module, runner: Runner, details: dict) -> Metrics:
+    """Accuracy against the baseline, parity and greedy agreement with eager, size and latency."""
+    cfg = state.cfg
+    m = Metrics(params=parameter_count(model))
+    size = runner.size_bytes()
+    m.size_mb = size / MIB if size is not None else None
+    details["runtime"] = runner.describe()
+    eager = EagerRunner(model)
+    with torch_threads(cfg.checks.latency.threads):
+        if cfg.checks.accuracy:
+            acc = evaluate(runner, state.eval_windows, state.baseline_logits, desc=runner.runtime)
+            m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
+            m.top1_agreement, m.kl_divergence = acc.top1_agreement, acc.kl_divergence
+            m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
+            details["parity_vs_eager"] = logits_parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
+        if cfg.checks.generate_tokens:
+            details["greedy"] = _greedy_compare(eager, runner, state)
+    if cfg.checks.latency.enabled:
+        _fill_latency(m, runner, state)
+    return m
 
 
 def _greedy_compare(eager: Runner, runner: Runner, state: _RunState) -> dict:

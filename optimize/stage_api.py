@@ -52,6 +52,19 @@ class StageConfig(Strict):
     def label(self, index: int) -> str:
         return self.name or f"{index}:{self.kind}"
 
+    def check_model(self, config: Any, target: Any | None) -> list[str]:
+        """Problems this stage would hit on a model with this transformers ``config`` (as the
+        earlier stages leave it; see :meth:`planned_config`) for ``target`` (a TargetProfile or
+        None). Run by ``optimize validate`` and before the first stage, so a stage that cannot
+        work is refused before any work is done. Each problem is one sentence; [] = fine."""
+        return []
+
+    def planned_config(self, config: Any) -> Any:
+        """The config of the model after this stage, for checking the stages after it and the
+        exporter. Stages that change shapes or structure (head counts, widths, depth, norms)
+        return an updated copy; the default is unchanged."""
+        return config
+
 
 @dataclass
 class StageContext:

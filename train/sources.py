@@ -228,6 +228,38 @@ def load_model(src: HFSource | GGUFSource | BundledSource | RandomSource) -> Loa
     raise TypeError(f"unknown model source {src!r}")
 
 
+def peek_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
+    """The model's transformers config, read without loading weights (for checks that must
+    run before any work: ``optimize validate`` and the pipeline's pre-flight)."""
+    from transformers import AutoConfig
+
+    try:
+        if isinstance(src, HFSource):
+            path = Path(src.path)
+            if not (path / "config.json").is_file():
+                raise ModelSourceError(f"{path} is not a Hugging Face model directory: config.json is missing")
+            return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=src.trust_remote_code)
+        if isinstance(src, (GGUFSource, BundledSource)):
+            gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name)
+            if not gguf.is_file():
+                raise ModelSourceError(f"GGUF file not found: {gguf}")
+            cached = _gguf_cache_dir(gguf, src.cache_dir)
+            if (cached / "config.json").is_file():
+                return AutoConfig.from_pretrained(cached, local_files_only=True)
+            return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        if isinstance(src, RandomSource):
+            cfg = dict(src.config)
+            model_type = cfg.pop("model_type", None)
+            if model_type is None:
+                raise ModelSourceError("model.config needs a model_type (for example: llama, gpt2, opt, gpt_neox, phi)")
+            return AutoConfig.for_model(model_type, **cfg)
+    except ModelSourceError:
+        raise
+    except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unreadable configs
+        raise ModelSourceError(f"cannot read the model's config: {type(exc).__name__}: {exc}") from None
+    raise TypeError(f"unknown model source {src!r}")
+
+
 def tokenizer_for(name_or_dir: str) -> Any:
     """A tokenizer from a bundled model name or a tokenizer directory."""
     if name_or_dir in BUNDLED_MODELS:
