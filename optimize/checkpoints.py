@@ -8,6 +8,10 @@ stage 3 changes hashes from 3 on, so stages 0-2 are reused and 3+ rerun.
 A checkpoint is ``config.json`` + ``model.pt`` (the state dict, loaded with
 ``weights_only=True``) + ``row.json`` (its report row), written as one atomic directory.
 Quantized tensor subclasses round-trip because loading assigns the saved tensors in place.
+Non-persistent buffers (rotary ``inv_freq``, Gemma's ``embed_scale``, BERT's ``position_ids``)
+are not in the state dict: the model is rebuilt with its parameters on the meta device but its
+buffers real, so its own constructor computes them. A checkpoint that cannot be used raises
+:class:`CheckpointError` naming it (a pickle that asks for code is refused, never run).
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ import torch
 from targets.atomic import atomic_dir
 
 COMPLETE = "COMPLETE"
+_REDO = "delete {path} to run that stage again, or set resume: false"
+
+
+class CheckpointError(RuntimeError):
+    """A stage checkpoint cannot be resumed from; the message names it and how to go on."""
 
 
 def prefix_hash(config_dump: dict, upto: int) -> str:
@@ -59,29 +68,63 @@ def save_stage(path: Path, model: torch.nn.Module, row: dict[str, Any], stage_cf
 
 def load_stage(path: Path, restores: list[Callable[[torch.nn.Module], None]]) -> tuple[torch.nn.Module, dict]:
     """Rebuild the model from its config, re-apply structural changes, then assign weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = _skeleton(config)
     for restore in restores:
         restore(model)
-    state = torch.load(path / "model.pt", map_location="cpu", weights_only=True, mmap=True)
+    state = _read_state(path / "model.pt")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {path} does not fit its model: missing {sorted(set(missing) - tied)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
+            f"unexpected {sorted(unexpected)[:5]}; {_REDO.format(path=path)}"
         )
     if getattr(config, "tie_word_embeddings", False):
         # assign=True leaves two Parameters sharing one storage; make them one Parameter again
         model.tie_weights()
-    _materialize_buffers(model, config)
+    _check_materialized(model, path)
     _freeze_quantized(model)
     model.eval()
     row = json.loads((path / "row.json").read_text())
     return model, row
+
+
+def _read_state(file: Path) -> dict:
+    """``torch.load(weights_only=True)``: a pickle that asks for code is refused, never run."""
+    from train.weight_files import unsafe_pickle_reason
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        text = str(exc).strip()
+        why = unsafe_pickle_reason(exc) or f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+        raise CheckpointError(f"stage checkpoint {file} cannot be loaded: {why}; {_REDO.format(path=file.parent)}") from None
+
+
+def _skeleton(config) -> torch.nn.Module:
+    """The model freshly built from ``config`` with its parameters on the meta device (no memory,
+    no init) but its buffers real, on CPU. Non-persistent buffers are not in the state dict, so
+    they must come from the model's own constructor: rotary ``inv_freq``, Gemma's
+    ``embed_scale``, BERT's ``position_ids`` and whatever a future architecture adds."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _check_materialized(model: torch.nn.Module, path: Path) -> None:
+    """Every tensor must hold data after loading; a meta one would fail later, far from here."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise CheckpointError(
+                    f"checkpoint {path}: {kind} {name} has no saved value and its module did not rebuild it "
+                    "(a stage's restore hook must recreate what it added)"
+                )
 
 
 def _freeze_quantized(model: torch.nn.Module) -> None:
@@ -96,16 +139,3 @@ def _freeze_quantized(model: torch.nn.Module) -> None:
 
 def load_stage_row(path: Path) -> dict:
     return json.loads((path / "row.json").read_text())
-
-
-def _materialize_buffers(model: torch.nn.Module, config) -> None:
-    """Non-persistent buffers (rotary inv_freq) are not in the state dict; rebuild them on CPU."""
-    for name, module in model.named_modules():
-        for bname, buf in list(module.named_buffers(recurse=False)):
-            if buf.is_meta:
-                if hasattr(module, "rope_init_fn") or "inv_freq" in bname or "rotary" in name:
-                    fresh = type(module)(config=module.config if hasattr(module, "config") else config)
-                    for fb_name, fb in fresh.named_buffers(recurse=False):
-                        module.register_buffer(fb_name, fb, persistent=False)
-                    break
-                raise RuntimeError(f"buffer {name}.{bname} has no saved value")

@@ -1,12 +1,16 @@
 """``optimize`` command line: each command is a thin layer over a typed API function.
 
     optimize pipeline model.yaml [--target executorch] [key=value ...]
-    optimize validate model.yaml [key=value ...]
+    optimize validate model.yaml [--target executorch] [key=value ...]
     optimize schema [--report]
     optimize ls stages|targets
     optimize run model.pte --prompt "..."
     optimize sensitivity model.yaml [--scheme 8da4w]
     optimize train recipe.yaml [key=value ...]
+
+Options and ``key=value`` overrides may come in any order, and ``-v`` before or after the
+command. Expected failures (a bad config, a missing file, a refused model, stage or export, a
+runner error) print one ``error:`` line and exit 2; ``-v`` shows the traceback and library logs.
 """
 
 from __future__ import annotations
@@ -37,9 +41,71 @@ def _quiet_third_party() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_DropNoise())
+        if not any(isinstance(f, _DropNoise) for f in handler.filters):
+            handler.addFilter(_DropNoise())
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record, so ``main()`` called twice in one
+    process (tests, notebooks) never writes to a stream an earlier caller closed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _setup_logging(verbose: bool) -> None:
+    root = logging.getLogger()
+    if not any(isinstance(h, _CurrentStderr) for h in root.handlers):
+        handler = _CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+class _IntermixedParser(argparse.ArgumentParser):
+    """A command's parser that takes options and positionals in any order, so the README's
+    ``optimize pipeline p.yaml --target executorch stages.0.scheme=8da4w`` works: plain
+    argparse ends ``overrides`` (nargs="*") at the first option and rejects what follows."""
+
+    _plain = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._plain:  # parse_known_intermixed_args calls back in here
+            return super().parse_known_args(args, namespace)
+        self._plain = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._plain = False
+
+
+#: top-level packages of this project: their exception classes carry a message for users
+_OUR_PACKAGES = ("optimize", "train", "export", "targets")
+
+
+def _is_expected(exc: BaseException) -> bool:
+    """Errors that say what is wrong in words (bad config, missing file, refused model or export,
+    runner failure) get one line; anything else is a bug and keeps its traceback. Expected: an
+    exception class of this project, a missing file, or a ValueError/TypeError that our own
+    code raised on purpose (the innermost frame is ours)."""
+    if isinstance(exc, FileNotFoundError):
+        return True
+    if any(c.__module__.split(".")[0] in _OUR_PACKAGES and not c.__name__.startswith("_") for c in type(exc).__mro__):
+        return True
+    if isinstance(exc, (ValueError, TypeError)) and exc.__traceback__ is not None:
+        tb = exc.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        return module.split(".")[0] in _OUR_PACKAGES
+    return False
 
 
 def _say(msg: str) -> None:
@@ -131,30 +197,37 @@ def cmd_train(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="optimize", description="Optimize causal LMs and export them, verified, to edge runtimes.")
     p.add_argument("-v", "--verbose", action="store_true", help="show library logs and tracebacks")
-    sub = p.add_subparsers(dest="command", required=True)
+    # -v also after the command (``optimize pipeline p.yaml -v``); SUPPRESS keeps a top-level -v
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="show library logs and tracebacks")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_IntermixedParser)
 
-    s = sub.add_parser("pipeline", help="run the stages in a pipeline YAML, with checks, gates and a report")
+    def command(name: str, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[verbose], **kw)
+
+    s = command("pipeline", help="run the stages in a pipeline YAML, with checks, gates and a report")
     s.add_argument("config", help="pipeline YAML")
-    s.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. stages.0.group_size=64")
+    s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides, e.g. stages.0.group_size=64")
     s.add_argument("--target", help="target profile (see `optimize ls targets`); overrides the YAML's target")
     s.add_argument("--output", help="output directory (default: the YAML's output_dir or runs/<name>)")
     s.set_defaults(fn=cmd_pipeline)
 
-    s = sub.add_parser("validate", help="check a pipeline YAML without running it")
+    s = command("validate", help="check a pipeline YAML without running it")
     s.add_argument("config")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
     s.add_argument("--target")
     s.set_defaults(fn=cmd_validate)
 
-    s = sub.add_parser("schema", help="print the JSON Schema of the pipeline YAML (or of the report)")
+    s = command("schema", help="print the JSON Schema of the pipeline YAML (or of the report)")
     s.add_argument("--report", action="store_true", help="the report.json schema instead")
     s.set_defaults(fn=cmd_schema)
 
-    s = sub.add_parser("ls", help="list registered stages or target profiles")
+    s = command("ls", help="list registered stages or target profiles")
     s.add_argument("what", choices=["stages", "targets"])
     s.set_defaults(fn=cmd_ls)
 
-    s = sub.add_parser("run", help="generate text from an exported artifact (.pte, .onnx)", aliases=["generate"])
+    s = command("run", help="generate text from an exported artifact (.pte, .onnx)", aliases=["generate"])
     s.add_argument("artifact")
     s.add_argument("--prompt", required=True)
     s.add_argument("--max-new-tokens", type=int, default=64)
@@ -162,9 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=None)
     s.set_defaults(fn=cmd_run)
 
-    s = sub.add_parser("sensitivity", help="rank module groups by how much quantizing each alone costs")
+    s = command("sensitivity", help="rank module groups by how much quantizing each alone costs")
     s.add_argument("config", help="pipeline YAML (its model, text and quantization stage are used)")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
     s.add_argument("--scheme", choices=["8da4w", "8da8w", "w4", "w8", "w8a8-tensor"],
                    help="default: the config's ptq stage scheme, or its ONNX Runtime quantize mode "
                    "(w8a8-tensor = ORT's per-tensor dynamic/static activations)")
@@ -178,41 +251,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=int, default=None, help="print only the N most sensitive groups")
     s.set_defaults(fn=cmd_sensitivity)
 
-    s = sub.add_parser("train", help="run a training recipe (LoRA/QLoRA, FSDP2 under torchrun, ...)")
+    s = command("train", help="run a training recipe (LoRA/QLoRA, FSDP2 under torchrun, ...)")
     s.add_argument("recipe")
-    s.add_argument("overrides", nargs="*")
+    s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
     s.set_defaults(fn=cmd_train)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _setup_logging(args.verbose)
     if not args.verbose:
         _quiet_third_party()
-    from optimize.errors import ConfigError
-
-    known: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError)
-    try:
-        from export.base import ExportError
-        from export.runtime import RunnerError
-        from targets import TargetError
-        from train.corpus import CorpusError
-        from train.sources import ModelSourceError
-
-        known += (ExportError, RunnerError, TargetError, CorpusError, ModelSourceError)
-    except ImportError:  # pragma: no cover
-        pass
     try:
         return args.fn(args)
-    except known as exc:
-        if args.verbose:
-            raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if args.verbose or not _is_expected(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -230,13 +230,21 @@ def model_problems(cfg: PipelineConfigBase, model_config: Any = None) -> list[tu
     problems: list[tuple[str, str]] = []
     config = copy.deepcopy(model_config)
     for i, stage in enumerate(cfg.stages):
-        for msg in stage.check_model(config, profile):
-            problems.append((f"stages.{i}", f"stage {stage.label(i)!r}: {msg}"))
-        config = stage.planned_config(config)
+        try:
+            msgs = stage.check_model(config, profile)
+            config = stage.planned_config(config)
+        except Exception as exc:  # a check that cannot run is a problem to report, not a traceback
+            problems.append((f"stages.{i}", f"stage {stage.label(i)!r}: its pre-flight check failed on this model "
+                             f"({type(exc).__name__}: {exc})"))
+            return problems
+        problems += [(f"stages.{i}", f"stage {stage.label(i)!r}: {msg}") for msg in msgs]
     if profile is not None:
-        options = export_options(cfg, profile.exporter, profile)
-        for msg in get_exporter(profile.exporter).check_model(config, options):
-            problems.append(("target", f"{profile.name} ({profile.exporter} exporter): {msg}"))
+        try:
+            options = export_options(cfg, profile.exporter, profile)
+            msgs = get_exporter(profile.exporter).check_model(config, options)
+        except Exception as exc:
+            msgs = [f"its pre-flight check failed on this model ({type(exc).__name__}: {exc})"]
+        problems += [("target", f"{profile.name} ({profile.exporter} exporter): {msg}") for msg in msgs]
     return problems
 
 
@@ -244,9 +252,14 @@ def export_options(cfg: PipelineConfigBase, exporter_name: str, profile) -> Any:
     """The exporter's validated options: target defaults, then the YAML's export block."""
     from export.base import get_exporter
 
+    options_model = get_exporter(exporter_name).options_model
     merged = dict(profile.export_options) if profile is not None else {}
+    # an exporter whose options say so takes the profile's max_seq_len as its default
+    # (a custom profile's included)
+    if profile is not None and getattr(options_model, "max_seq_len_from_profile", False):
+        merged.setdefault("max_seq_len", profile.max_seq_len)
     merged.update(cfg.export.get(exporter_name, {}))
-    return get_exporter(exporter_name).options_model.model_validate(merged)
+    return options_model.model_validate(merged)
 
 
 def dump_config(cfg: PipelineConfigBase) -> dict:

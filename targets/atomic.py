@@ -47,6 +47,53 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def recover_leftovers(final: str | os.PathLike) -> None:
+    """Undo what a writer killed mid-write left beside ``final``.
+
+    Temporary siblings (``.<name>.<pid>.*.tmp``) of dead processes are deleted. A directory
+    moved aside (``.<name>.old-<pid>``) by a writer that died before its new copy was renamed
+    into place is the last complete version: it is put back when ``final`` is missing, and
+    deleted otherwise. Writers call this before they start, so a re-run heals the directory.
+    """
+    final = Path(final)
+    parent = final.parent
+    if not parent.is_dir():
+        return
+    prefix = f".{final.name}."
+    for sib in parent.iterdir():
+        name = sib.name
+        if not name.startswith(prefix):
+            continue
+        rest = name[len(prefix):]
+        if rest.startswith("old-") and rest[4:].isdigit():
+            if _pid_alive(int(rest[4:])):
+                continue
+            if not final.exists():
+                os.replace(sib, final)
+                fsync_dir(parent)
+            else:
+                shutil.rmtree(sib, ignore_errors=True)
+        elif rest.endswith(".tmp") and rest.split(".", 1)[0].isdigit():
+            if _pid_alive(int(rest.split(".", 1)[0])):
+                continue
+            if sib.is_dir():
+                shutil.rmtree(sib, ignore_errors=True)
+            else:
+                sib.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; on success it is renamed onto ``final``.
@@ -56,7 +103,8 @@ def atomic_path(final: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    recover_leftovers(final)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -94,7 +142,8 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    recover_leftovers(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{os.getpid()}.", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
         fsync_tree(tmp)

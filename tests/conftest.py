@@ -1,8 +1,11 @@
-"""Shared fixtures: pinned threads, an on-disk cache shared by the session, a tiny
-config-built Llama for fast unit tests, and the real SmolLM2-135M for the slow tests."""
+"""Shared fixtures: pinned threads, an on-disk cache shared by the session, tiny config-built
+models of every architecture family for fast unit tests (``TINY_CONFIGS``, the ``tiny_config``
+fixture; modules that need the dicts at import time use ``from tests.conftest import
+TINY_CONFIGS``), and the real SmolLM2-135M for the slow tests."""
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -12,18 +15,41 @@ import torch
 torch.set_num_threads(int(os.environ.get("TEST_THREADS", "1")))
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")
 
-TINY_LLAMA = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=49152,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-)
+# Tiny random configs, one per architecture family: hidden 64, 2 layers, 4 heads (2 KV heads
+# where the family has GQA), MLP 128 (a multiple of 32 for group-32 quantization), and
+# SmolLM2's vocabulary (49152) so every one shares its real tokenizer.
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024)
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(_DECODER, model_type="llama", tie_word_embeddings=True, rope_theta=100000.0),
+    "mistral": dict(_DECODER, model_type="mistral"),
+    "qwen2": dict(_DECODER, model_type="qwen2"),
+    "qwen3": dict(_DECODER, model_type="qwen3", head_dim=16),
+    "phi3": dict(_DECODER, model_type="phi3"),
+    "gemma": dict(_DECODER, model_type="gemma", head_dim=16),
+    "gemma2": dict(_DECODER, model_type="gemma2", head_dim=16),
+    "gemma3_text": dict(_DECODER, model_type="gemma3_text", head_dim=16),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=1024, vocab_size=49152),
+    "opt": dict(model_type="opt", hidden_size=64, ffn_dim=128, word_embed_proj_dim=64, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=1024, vocab_size=49152),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=1024, vocab_size=49152),
+    # an encoder: AutoModelForCausalLM would build BertLMHeadModel with bidirectional attention
+    "bert": dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=512, vocab_size=49152),
+}
+TINY_LLAMA = TINY_CONFIGS["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """``tiny_config("gemma2", initializer_range=0.2)``: a fresh tiny config dict for one family
+    (keys of ``TINY_CONFIGS``), with overrides; for RandomSource, pipeline YAML or AutoConfig."""
+
+    def make(arch: str = "llama", **overrides) -> dict:
+        return {**copy.deepcopy(TINY_CONFIGS[arch]), **overrides}
+
+    return make
 
 
 @pytest.fixture()

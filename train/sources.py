@@ -7,7 +7,10 @@ Four sources, one discriminated union on ``source``:
 - ``random``: a config-only random init, for fast tests.
 
 Nothing downloads: every load passes ``local_files_only=True``. Remote code runs only when
-the config sets ``trust_remote_code: true``.
+the config sets ``trust_remote_code: true``. Pickled ``.bin`` weights load through transformers'
+weights-only path (a payload is refused, never run). A model that is not a causal LM (an
+encoder, a base model without its head) is refused at load with the reason and the missing
+tensors named: see :mod:`train.causal_lm`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pydantic import Field
 
 from targets.atomic import atomic_dir
 from targets.config_base import Strict
+from train import causal_lm, weight_files
 
 log = logging.getLogger("optimize")
 
@@ -140,7 +144,10 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
     except ImportError as exc:
         raise ModelSourceError(f"reading GGUF needs the 'gguf' package: {exc}") from None
     except Exception as exc:  # transformers raises many types for unsupported GGUF
-        raise ModelSourceError(f"could not convert GGUF {gguf}: {type(exc).__name__}: {exc}") from None
+        raise ModelSourceError(
+            f"could not convert GGUF {gguf} (an unsupported architecture, or a damaged or truncated file?): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     # The de-quantized weights are plain float tensors; drop the GGUF quantizer so they save.
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
@@ -176,44 +183,95 @@ def _load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def _load_hf_dir(path: Path, src: _SourceBase, trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
+    """Load a causal LM from an HF directory, refusing anything that would come back partly random:
+    an encoder or headless base model (see :mod:`train.causal_lm`) or a damaged weights file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     if not path.is_dir():
         raise ModelSourceError(f"model directory not found: {path}")
     if not (path / "config.json").exists():
         raise ModelSourceError(f"{path} is not a Hugging Face model directory: config.json is missing")
-    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.safetensors.index.json"))
-    if not has_weights:
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    if not weights and not any(path.glob("*.safetensors.index.json")):
         raise ModelSourceError(f"{path} holds no weights (*.safetensors or *.bin)")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # ValueError/OSError/KeyError for unreadable or remote-code configs
+        raise _load_error(path, exc, "config.json") from None
+    _refuse_config(config, str(path))
+    weight_files.check_safetensors(weights, ModelSourceError)
     kwargs: dict[str, Any] = dict(
         dtype=DTYPES[src.dtype],
         local_files_only=True,
         trust_remote_code=trust_remote_code,
-        attn_implementation=_attn(src.attn_implementation),
+        attn_implementation=_attn(src.attn_implementation, config),
+        output_loading_info=True,
     )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except ValueError as exc:
-        if "trust_remote_code" in str(exc):
-            raise ModelSourceError(
-                f"{path} needs its own Python code to load; set model.trust_remote_code: true only if you trust it"
-            ) from None
-        raise ModelSourceError(f"could not load {path}: {exc}") from None
+        model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as exc:  # safetensors, pickle (weights-only refusals), OSError, ValueError...
+        raise _load_error(path, exc, ", ".join(w.name for w in weights) or "its weights") from None
+    problem = causal_lm.missing_weights_problem(info, type(model).__name__)
+    if problem:
+        raise ModelSourceError(f"{path} is not a causal language model: {problem}")
+    if info.get("unexpected_keys"):
+        log.warning("%s: %d tensors in the checkpoint are unused by %s (e.g. %s)", path, len(info["unexpected_keys"]),
+                    type(model).__name__, sorted(info["unexpected_keys"])[0])
     model.eval()
     return model, _load_tokenizer(path, trust_remote_code)
 
 
-def _attn(requested: str) -> str:
+def _load_error(path: Path, exc: Exception, what: str) -> ModelSourceError:
+    if "trust_remote_code" in str(exc):
+        return ModelSourceError(
+            f"{path} needs its own Python code to load; set model.trust_remote_code: true only if you trust it"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    why = weight_files.unsafe_pickle_reason(exc)
+    if why is not None:
+        return ModelSourceError(
+            f"refused to load {path} ({what}): {why}; nothing in it was run. "
+            "Convert the checkpoint to safetensors with code you trust."
+        )
+    return ModelSourceError(f"could not load {path} ({what}): {type(exc).__name__}: {first}")
+
+
+def _attn(requested: str, config: Any = None) -> str:
     if requested == "flash_attention_2":
         if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None:
             log.warning("flash_attention_2 needs CUDA and the flash-attn package ([gpu] extra); using sdpa")
-            return "sdpa"
+            requested = "sdpa"
+    if requested == "sdpa" and config is not None:
+        # Some classes have no sdpa path (Gemma-2: softcapping); transformers then refuses to build
+        # them at all. sdpa is our default, not the user's requirement: use eager for those.
+        cls = _causal_class(config)
+        if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+            log.info("%s has no sdpa attention in transformers; using eager", cls.__name__)
+            return "eager"
     return requested
 
 
+def _causal_class(config: Any):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
 def load_model(src: HFSource | GGUFSource | BundledSource | RandomSource) -> LoadedModel:
-    """Load a model and tokenizer from any source, in eval mode on CPU."""
+    """Load a model and tokenizer from any source, in eval mode on CPU; refuse a model that is
+    not causal (see :mod:`train.causal_lm`)."""
+    loaded = _load_any(src)
+    problem = causal_lm.causality_problem(loaded.model)
+    if problem:
+        raise ModelSourceError(f"{loaded.description} is not a causal language model: {problem}")
+    return loaded
+
+
+def _load_any(src: HFSource | GGUFSource | BundledSource | RandomSource) -> LoadedModel:
     if isinstance(src, HFSource):
         model, tok = _load_hf_dir(src.path, src, src.trust_remote_code)
         return LoadedModel(model, tok, f"hf:{src.path}", Path(src.path))
@@ -230,7 +288,32 @@ def load_model(src: HFSource | GGUFSource | BundledSource | RandomSource) -> Loa
 
 def peek_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
     """The model's transformers config, read without loading weights (for checks that must
-    run before any work: ``optimize validate`` and the pipeline's pre-flight)."""
+    run before any work: ``optimize validate`` and the pipeline's pre-flight). Raises
+    :class:`ModelSourceError` for an unreadable config or one that is no causal LM."""
+    config = _read_config(src)
+    _refuse_config(config, _where(src))
+    return config
+
+
+def _refuse_config(config: Any, where: str) -> None:
+    """Refuse, from the config alone, sizes no model has and models that are no causal LM."""
+    problem = causal_lm.size_problem(config)
+    if problem:
+        raise ModelSourceError(f"{where}: {problem}")
+    problem = causal_lm.config_problem(config)
+    if problem:
+        raise ModelSourceError(f"{where} is not a causal language model: {problem}")
+
+
+def _where(src) -> str:
+    if isinstance(src, (HFSource, GGUFSource)):
+        return str(src.path)
+    if isinstance(src, BundledSource):
+        return f"bundled model {src.name}"
+    return "model.config"
+
+
+def _read_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
     from transformers import AutoConfig
 
     try:
@@ -256,7 +339,13 @@ def peek_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
     except ModelSourceError:
         raise
     except Exception as exc:  # transformers raises ValueError/OSError/KeyError for unreadable configs
-        raise ModelSourceError(f"cannot read the model's config: {type(exc).__name__}: {exc}") from None
+        if "trust_remote_code" in str(exc):
+            raise ModelSourceError(
+                f"{_where(src)} needs its own Python code to load; set model.trust_remote_code: true only if you trust it"
+            ) from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        hint = " (a damaged or truncated file?)" if isinstance(src, (GGUFSource, BundledSource)) else ""
+        raise ModelSourceError(f"cannot read the config of {_where(src)}{hint}: {type(exc).__name__}: {first}") from None
     raise TypeError(f"unknown model source {src!r}")
 
 
@@ -282,15 +371,19 @@ def _random_model(src: RandomSource) -> LoadedModel:
     tok = tokenizer_for(src.tokenizer)
     try:
         config = AutoConfig.for_model(model_type, **cfg)
-    except ValueError as exc:
-        raise ModelSourceError(f"model.config: {exc}") from None
+    except Exception as exc:  # ValueError for unknown types, TypeError/KeyError for bad fields
+        raise ModelSourceError(f"model.config: {type(exc).__name__}: {exc}") from None
+    _refuse_config(config, "model.config")
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab < len(tok):
         raise ModelSourceError(
             f"model.config.vocab_size={vocab} is smaller than the tokenizer's {len(tok)} tokens"
         )
     torch.manual_seed(src.seed)
-    config._attn_implementation = _attn(src.attn_implementation)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[src.dtype])
+    config._attn_implementation = _attn(src.attn_implementation, config)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[src.dtype])
+    except Exception as exc:  # inconsistent sizes: ValueError, AssertionError, RuntimeError...
+        raise ModelSourceError(f"model.config: transformers cannot build {model_type}: {type(exc).__name__}: {exc}") from None
     model.eval()
     return LoadedModel(model, tok, f"random:{model_type}", None)

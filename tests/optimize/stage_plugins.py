@@ -45,6 +45,12 @@ def test_sleep(model, cfg: SleepConfig, ctx):
 
 class BoomConfig(StageConfig):
     kind: Literal["test_boom"] = "test_boom"
+    in_check: bool = Field(False, description="raise in the pre-flight check instead of in the stage")
+
+    def check_model(self, config, target):
+        if self.in_check:
+            raise KeyError("boom in check_model")
+        return []
 
 
 @register_stage("test_boom", BoomConfig)

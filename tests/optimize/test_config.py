@@ -111,10 +111,17 @@ def test_unknown_target_lists_targets(tiny_cfg):
     assert "target: unknown target 'tpu'; available: executorch, onnxruntime" in _err(tiny_cfg)
 
 
-def test_scheme_refused_by_target_names_stage_and_target(tiny_cfg):
+def test_scheme_refused_by_target_names_stage_and_target(tiny_cfg, tmp_path):
+    # the bundled profiles now run every scheme ptq_int8 makes: a user profile refuses one
+    from targets import load_target
+
+    profile = load_target("onnxruntime").model_dump()
+    profile["allowed_schemes"] = ["fp32", "8da4w"]
+    profile["refused_schemes"] = {"8da8w": "not on this device"}
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(profile))
     tiny_cfg["stages"] = [{"kind": "ptq_int8", "scheme": "8da8w"}]
-    msg = _err(tiny_cfg, target="onnxruntime")
-    assert "stages.0: stage '0:ptq_int8': target 'onnxruntime' refuses scheme '8da8w'" in msg
+    msg = _err(tiny_cfg, target=str(tmp_path / "mine.yaml"))
+    assert "stages.0: stage '0:ptq_int8': target 'onnxruntime' refuses scheme '8da8w': not on this device" in msg
 
 
 def test_unknown_exporter_block(tiny_cfg):
@@ -151,3 +158,12 @@ def test_schema_has_stage_union_and_version():
     assert "version" in schema["required"]
     text = str(schema)
     assert "ptq_int8" in text and "discriminator" in text
+
+
+def test_a_crashing_preflight_check_is_reported_not_raised(tiny_cfg):
+    tiny_cfg["stages"] = [{"kind": "test_boom", "in_check": True}, {"kind": "test_noise"}]
+    with pytest.raises(ConfigError) as err:
+        load_config(tiny_cfg)
+    assert err.value.problems == [
+        ("stages.0", "stage '0:test_boom': its pre-flight check failed on this model (KeyError: 'boom in check_model')")
+    ]
