@@ -13,7 +13,6 @@ is ~14x slower on CPU). The ranking feeds mixed precision (:mod:`optimize.quant.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -22,9 +21,11 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
+from targets.group_size import widths_error
+from train.model_parts import block_of, decoder_blocks
+
 GroupKind = Literal["blocks", "projections", "lm_head", "embeddings", "modules", "custom"]
 DEFAULT_GROUPS: tuple[GroupKind, ...] = ("blocks", "projections", "lm_head", "embeddings")
-_BLOCK = re.compile(r"^(.*\.(?:layers|h|blocks)\.\d+)\.")
 
 
 class SensitivityEntry(BaseModel):
@@ -90,11 +91,12 @@ def module_groups(model: nn.Module, kinds: Sequence[GroupKind] = DEFAULT_GROUPS)
     body = [n for n in _linears(model) if n != head]
     out: list[tuple[str, GroupKind, list[str]]] = []
     if "blocks" in kinds:
+        names = [b for b, _ in decoder_blocks(model)]
         blocks: dict[str, list[str]] = {}
         for n in body:
-            m = _BLOCK.match(n)
-            if m:
-                blocks.setdefault(m.group(1), []).append(n)
+            b = block_of(n, names)
+            if b is not None:
+                blocks.setdefault(b, []).append(n)
         out += [(b, "blocks", ns) for b, ns in blocks.items()]
     if "projections" in kinds:
         proj: dict[str, list[str]] = {}
@@ -150,9 +152,9 @@ def analyze_sensitivity(
     mods = dict(model.named_modules())
     for i, (label, kind, names) in enumerate(plan):
         if sch.group_size:
-            names_ok = [n for n in names if not isinstance(mods[n], nn.Linear) or mods[n].in_features % sch.group_size == 0]
-            if len(names_ok) != len(names):
-                raise ValueError(f"group_size={sch.group_size} does not divide in_features of {sorted(set(names) - set(names_ok))[:3]}")
+            why = widths_error(sch.group_size, {n: mods[n].in_features for n in names if isinstance(mods[n], nn.Linear)})
+            if why:
+                raise ValueError(f"sensitivity group {label}: {why}")
         with fake_quantized(model, names, sch):
             r = evaluate(runner, windows, base, desc=f"sensitivity {label}")
         entries.append(SensitivityEntry(

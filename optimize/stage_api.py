@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 from pydantic import Field
@@ -41,9 +41,6 @@ class StageConfig(Strict):
     gates: GatesConfig | None = Field(
         None, description="gates for this stage, replacing the pipeline-wide ones metric by metric"
     )
-
-    #: set by stages that need calibration text (the runner then prepares it)
-    needs_calibration: ClassVar[bool] = False
 
     def quant_scheme(self) -> str | None:
         """The quantization scheme this stage leaves in the model, checked against the target."""

@@ -5,14 +5,15 @@ Used by SmoothQuant (move activation outliers into weights before W8A8) and by A
 scaling (protect salient input channels before 4-bit weights). The folds are exact in fp32,
 so the model computes the same function and nothing is added at run time:
 
-- ``qkv``:     input_layernorm.weight / s   ->  q/k/v_proj columns * s
-- ``gate_up``: post_attention_layernorm.weight / s  ->  gate/up_proj columns * s
+- ``qkv``:     attention pre-norm weight / s  ->  q/k/v (or fused qkv) columns * s
+- ``gate_up``: MLP pre-norm weight / s  ->  gate/up (or fused gate_up) columns * s
 - ``down``:    up_proj rows (and bias) / s  ->  down_proj columns * s   (act(gate) * up is linear in up)
 - ``o``:       v_proj rows / s  ->  o_proj columns * s, repeated over the query heads that share
                each KV head (attention output is a convex mix of V rows, so it is linear in V)
 
-Only Llama-style blocks (HF LlamaDecoderLayer naming: Llama, Mistral, Qwen2, SmolLM) are
-recognised; anything else raises with the structure expected.
+Which norm is which, fused projections and Gemma's ``x * (1 + w)`` norms are per
+architecture (:mod:`optimize.quant.fold_layouts`); others are refused. The stages check the
+logits after folding (:mod:`optimize.rewrites.exactness`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from typing import Literal
 
 import torch
 from torch import nn
+
+from optimize.quant.fold_layouts import FoldRefused, layout_for, norm_offset
+from train.model_parts import decoder_blocks
 
 FoldKind = Literal["qkv", "gate_up", "down", "o"]
 ALL_FOLDS: tuple[FoldKind, ...] = ("qkv", "gate_up", "down", "o")
@@ -37,58 +41,100 @@ class FoldGroup:
     #: o only: query heads per KV head (o_proj columns repeat v_proj channels this many times)
     repeat: int = 1
     head_dim: int = 0
+    #: linear sources only: the output rows ``[start, stop)`` that are the activation (fused projections)
+    rows: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
-        return f"{self.source}->{','.join(n.rsplit('.', 1)[-1] for n in self.linears)}"
+        src = self.source if self.rows is None else f"{self.source}[{self.rows[0]}:{self.rows[1]}]"
+        return f"{src}->{','.join(n.rsplit('.', 1)[-1] for n in self.linears)}"
 
 
-def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    out = []
-    for name, mod in model.named_modules():
-        if all(hasattr(mod, a) for a in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")):
-            out.append((name, mod))
-    return out
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    try:
+        mod = model.get_submodule(name)
+    except AttributeError:
+        mod = None
+    if not isinstance(mod, nn.Linear):
+        raise FoldRefused(f"{name} is {type(mod).__name__ if mod is not None else 'missing'}, expected nn.Linear")
+    return mod
+
+
+def _module(model: nn.Module, name: str, what: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise FoldRefused(f"{name} is missing; the fold needs {what}") from None
 
 
 def fold_groups(model: nn.Module, kinds: tuple[FoldKind, ...] | list[FoldKind] = ALL_FOLDS) -> list[FoldGroup]:
-    """The equalization groups of every decoder block, in model order."""
+    """The equalization groups of every decoder block, in model order (FoldRefused if unsupported).
+
+    Works on a weightless (meta-device) model too, so the stages' pre-flight checks run it."""
     bad = [k for k in kinds if k not in ALL_FOLDS]
     if bad:
         raise ValueError(f"unknown fold kind(s) {bad}; choose from {list(ALL_FOLDS)}")
-    layers = _layers(model)
-    if not layers:
-        raise ValueError(
-            f"{type(model).__name__} has no Llama-style decoder blocks (input_layernorm, self_attn.q/k/v/o_proj, "
-            "post_attention_layernorm, mlp.gate/up/down_proj); equalization folds only into those"
-        )
     cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise FoldRefused(f"{type(model).__name__} has no transformers config; equalization folds need a known architecture")
+    lay = layout_for(cfg)
+    layers = decoder_blocks(model)
+    if not layers:
+        raise FoldRefused(f"{type(model).__name__} has no decoder blocks to fold into")
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     groups: list[FoldGroup] = []
     for name, layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            raise ValueError(f"{name}.self_attn lacks nn.Linear q/k/v/o_proj (fused qkv is not supported)")
-        if not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
-            raise ValueError(f"{name}.mlp lacks nn.Linear gate/up/down_proj (fused gate_up is not supported)")
         a, m = f"{name}.self_attn", f"{name}.mlp"
+        attn = _module(model, a, "the block's attention module")
+        n_heads = text.num_attention_heads
+        n_kv = getattr(text, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(attn, "head_dim", None) or getattr(text, "head_dim", None) or text.hidden_size // n_heads
+        if lay.fused_qkv:
+            qkv = _linear(model, f"{a}.{lay.fused_qkv}")
+            if qkv.out_features != (n_heads + 2 * n_kv) * head_dim:
+                raise FoldRefused(f"{a}.{lay.fused_qkv} has {qkv.out_features} rows, not (q + k + v heads) * head_dim")
+            readers = [f"{a}.{lay.fused_qkv}"]
+            v_src, v_rows = readers[0], ((n_heads + n_kv) * head_dim, (n_heads + 2 * n_kv) * head_dim)
+        else:
+            readers = [f"{a}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+            for r in readers:
+                _linear(model, r)
+            v_src, v_rows = f"{a}.v_proj", None
+        o = _linear(model, f"{a}.o_proj")
+        if lay.fused_gate_up:
+            gu = _linear(model, f"{m}.{lay.fused_gate_up}")
+            half = gu.out_features // 2
+            mlp_readers, up_src, up_rows = [f"{m}.{lay.fused_gate_up}"], f"{m}.{lay.fused_gate_up}", (half, 2 * half)
+        else:
+            mlp_readers = [f"{m}.gate_proj", f"{m}.up_proj"]
+            for r in mlp_readers:
+                _linear(model, r)
+            up_src, up_rows = f"{m}.up_proj", None
+        down = _linear(model, f"{m}.down_proj")
         if "qkv" in kinds:
-            groups.append(FoldGroup("qkv", f"{name}.input_layernorm", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"]))
+            _module(model, f"{name}.{lay.attn_norm}", "the norm feeding the attention projections")
+            groups.append(FoldGroup("qkv", f"{name}.{lay.attn_norm}", readers))
         if "o" in kinds:
-            n_heads = getattr(cfg, "num_attention_heads", None)
-            n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-            if not n_heads:
-                raise ValueError("the 'o' fold needs model.config.num_attention_heads")
-            head_dim = getattr(cfg, "head_dim", None) or attn.q_proj.out_features // n_heads
-            groups.append(FoldGroup("o", f"{a}.v_proj", [f"{a}.o_proj"], repeat=n_heads // n_kv, head_dim=head_dim))
+            if getattr(attn, "v_norm", None) is not None:
+                raise FoldRefused(f"{a} normalises v (v_norm), so v_proj's rows cannot carry scales; drop the 'o' fold")
+            if o.in_features != n_heads * head_dim or n_heads % n_kv:
+                raise FoldRefused(f"{a}.o_proj reads {o.in_features} columns, not {n_heads} heads * {head_dim}")
+            groups.append(FoldGroup("o", v_src, [f"{a}.o_proj"], repeat=n_heads // n_kv, head_dim=head_dim, rows=v_rows))
         if "gate_up" in kinds:
-            groups.append(FoldGroup("gate_up", f"{name}.post_attention_layernorm", [f"{m}.gate_proj", f"{m}.up_proj"]))
+            _module(model, f"{name}.{lay.mlp_norm}", "the norm feeding the MLP")
+            groups.append(FoldGroup("gate_up", f"{name}.{lay.mlp_norm}", mlp_readers))
         if "down" in kinds:
-            groups.append(FoldGroup("down", f"{m}.up_proj", [f"{m}.down_proj"]))
+            width = (up_rows[1] - up_rows[0]) if up_rows else _linear(model, up_src).out_features
+            if down.in_features != width:
+                raise FoldRefused(f"{m}.down_proj reads {down.in_features} columns but the up projection writes {width}")
+            groups.append(FoldGroup("down", up_src, [f"{m}.down_proj"], rows=up_rows))
     return groups
 
 
 def channels(model: nn.Module, g: FoldGroup) -> int:
     """Number of per-channel scales the group takes (the source's output channels)."""
+    if g.rows is not None:
+        return g.rows[1] - g.rows[0]
     src = model.get_submodule(g.source)
     return src.out_features if isinstance(src, nn.Linear) else src.weight.numel()
 
@@ -102,18 +148,22 @@ def apply_fold(model: nn.Module, g: FoldGroup, s: torch.Tensor) -> None:
     if not torch.isfinite(s).all() or (s <= 0).any():
         raise ValueError(f"{g.name}: scales must be finite and positive")
     src = model.get_submodule(g.source)
-    if isinstance(src, nn.Linear):  # up_proj or v_proj: scale output rows
-        src.weight.div_(s.view(-1, 1).to(src.weight.dtype))
+    if isinstance(src, nn.Linear):  # up_proj or v_proj (or their rows of a fused projection): scale output rows
+        lo, hi = g.rows if g.rows is not None else (0, src.out_features)
+        w = src.weight[lo:hi]
+        w.copy_((w.double() / s.double().view(-1, 1)).to(w.dtype))
         if src.bias is not None:
-            src.bias.div_(s.to(src.bias.dtype))
-    else:  # RMSNorm / LayerNorm: weight (and bias) per channel
-        src.weight.div_(s.to(src.weight.dtype))
+            b = src.bias[lo:hi]
+            b.copy_((b.double() / s.double()).to(b.dtype))
+    else:  # RMSNorm / LayerNorm computing n(x) * (c + weight) [+ bias]: (c + w') = (c + w) / s
+        c = norm_offset(src, g.source)
+        src.weight.copy_(((c + src.weight.double()) / s.double() - c).to(src.weight.dtype))
         if getattr(src, "bias", None) is not None:
-            src.bias.div_(s.to(src.bias.dtype))
-    cols = expand(g, s)
+            src.bias.copy_((src.bias.double() / s.double()).to(src.bias.dtype))
+    cols = expand(g, s).double()
     for name in g.linears:
         lin = model.get_submodule(name)
-        lin.weight.mul_(cols.view(1, -1).to(lin.weight.dtype))
+        lin.weight.copy_((lin.weight.double() * cols.view(1, -1)).to(lin.weight.dtype))
 
 
 def expand(g: FoldGroup, s: torch.Tensor) -> torch.Tensor:

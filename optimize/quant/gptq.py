@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight, weight_scales
+from train.model_parts import block_of, decoder_blocks
 
 ScaleInit = Literal["absmax", "hqq", "mse"]
 
@@ -180,21 +181,6 @@ class _StopForward(Exception):
     pass
 
 
-def _block_of(name: str, blocks: list[str]) -> str | None:
-    for b in blocks:
-        if name.startswith(b + "."):
-            return b
-    return None
-
-
-def _decoder_blocks(model: nn.Module) -> list[str]:
-    """Names of the repeated decoder blocks (``model.layers.N``), in order."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and name.rsplit(".", 1)[-1] in ("layers", "h", "blocks"):
-            return [f"{name}.{i}" for i in range(len(mod))]
-    return []
-
-
 def _untie(model: nn.Module, names: list[str]) -> None:
     """Give each target Linear its own weight if it shares one (a tied lm_head shares the embedding)."""
     owners: dict[int, int] = {}
@@ -248,11 +234,11 @@ def gptq_model(
     """
     if not windows:
         raise ValueError("GPTQ needs calibration windows (ctx.calibration is empty)")
-    blocks = _decoder_blocks(model)
+    blocks = [name for name, _ in decoder_blocks(model)]
     _untie(model, list(targets))
     stages: dict[str | None, list[str]] = {}
     for name in targets:
-        stages.setdefault(_block_of(name, blocks), []).append(name)
+        stages.setdefault(block_of(name, blocks), []).append(name)
     order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
     result = GptqRunResult()
     for step, block in enumerate(order):

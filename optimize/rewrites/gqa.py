@@ -12,9 +12,12 @@ random (the paper's ablations). The model stays the same HF class with a smaller
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from train.model_parts import decoder_blocks
 
 #: architectures whose attention has separate q/k/v/o projections and reads
 #: ``num_key_value_groups`` from the module (checked against transformers 5.23)
@@ -40,7 +43,29 @@ class KVLayout:
 
 
 def _attentions(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    """Each decoder block's attention module (Llama-family: ``self_attn``)."""
+    return [attn for _, block in decoder_blocks(model)
+            if (attn := getattr(block, "self_attn", None)) is not None
+            and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+
+
+def config_problem(config: Any, num_key_value_heads: int) -> str | None:
+    """Why a model with this transformers ``config`` cannot go to ``num_key_value_heads`` KV heads, or None."""
+    mt = getattr(config, "model_type", "?")
+    if mt not in SUPPORTED:
+        return (
+            f"architecture {mt!r} is not supported by the gqa stage; supported: "
+            f"{', '.join(SUPPORTED)} (Llama-family attention with separate k_proj/v_proj)"
+        )
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    valid = valid_kv_heads(kv)
+    if num_key_value_heads not in valid:
+        return (
+            f"num_key_value_heads={num_key_value_heads} must divide the model's current {kv} KV heads; "
+            f"valid values: {', '.join(map(str, valid))}"
+        )
+    return None
 
 
 def kv_layout(model: nn.Module) -> KVLayout:
@@ -99,12 +124,9 @@ def convert_to_gqa(
 ) -> tuple[KVLayout, KVLayout]:
     """Rewrite ``model`` in place to ``num_key_value_heads`` KV heads; returns (before, after) layouts."""
     before = kv_layout(model)
-    valid = valid_kv_heads(before.kv_heads)
-    if num_key_value_heads not in valid:
-        raise GQAError(
-            f"num_key_value_heads={num_key_value_heads} must divide the model's current {before.kv_heads} KV heads; "
-            f"valid values: {', '.join(map(str, valid))}"
-        )
+    why = config_problem(model.config, num_key_value_heads)
+    if why:
+        raise GQAError(why)
     if num_key_value_heads == before.kv_heads:
         return before, before
     gen = torch.Generator().manual_seed(seed)

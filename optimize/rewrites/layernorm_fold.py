@@ -24,7 +24,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from optimize.rewrites.linear import bias_or_zeros, is_linear, set_bias, set_weight_out_in, weight_out_in
-from optimize.rewrites.ln_plans import LNPlan, RewriteRefused
+from optimize.rewrites.ln_plans import LNPlan, RewriteRefused, plan_for
 
 CONFIG_KEY = "edge_optimize_rmsnorm"
 
@@ -50,17 +50,42 @@ def _rmsnorm_like(norm: nn.LayerNorm, weight: torch.Tensor | None = None) -> Lla
     return new
 
 
+def _tied(model: nn.Module, head: str) -> bool:
+    emb, lm = model.get_input_embeddings(), model.get_submodule(head)
+    return lm.weight is emb.weight or (not lm.weight.is_meta and lm.weight.data_ptr() == emb.weight.data_ptr())
+
+
+def untie_config(config) -> None:
+    config.tie_word_embeddings = False
+    if hasattr(config, "get_text_config"):
+        config.get_text_config().tie_word_embeddings = False
+
+
 def untie_head(model: nn.Module, head: str) -> bool:
     """Give the output embedding its own weight (folding changes head and input embedding differently)."""
-    emb = model.get_input_embeddings()
-    lm = model.get_submodule(head)
-    if lm.weight is not emb.weight and lm.weight.data_ptr() != emb.weight.data_ptr():
+    if not _tied(model, head):
         return False
-    lm.weight = nn.Parameter(emb.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
+    model.get_submodule(head).weight = nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    untie_config(model.config)
     return True
+
+
+def planned_record(model: nn.Module, approximate: bool) -> dict | None:
+    """The ``config.edge_optimize_rmsnorm`` record the rmsnorm stage will write, foreseen from a
+    (meta-device) model before any weights load; marked ``"planned": True`` (the real record
+    adds ``eps`` and ``added_bias``). None when the stage changes nothing or will refuse."""
+    layernorms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    if not layernorms:
+        return None
+    try:
+        plan = plan_for(model)
+    except RewriteRefused:
+        if not approximate:
+            return None
+        return {"mode": "approximate", "arch": model.config.model_type, "norms": layernorms,
+                "untied_head": False, "planned": True}
+    return {"mode": "exact", "arch": plan.arch, "norms": [n for n, _ in plan.norms],
+            "untied_head": _tied(model, plan.head), "planned": True}
 
 
 def fold_exact(model: nn.Module, plan: LNPlan) -> dict:

@@ -6,16 +6,21 @@ the quantizer that follows, and the .pte it lowers to, are the ordinary torchao
 ``IntxUnpackedToInt8Tensor`` layout XNNPACK already handles. Per group the exponent is
 searched on calibration rows with the shipped scheme's fake-quant numerics; ``alpha = 0``
 (round-to-nearest) is in the grid, so a group is only rescaled where it measurably helps.
+The architectures it folds into are those of :mod:`optimize.quant.fold_layouts` (others are
+refused at validation), and the fold is proven on calibration windows (``exactness``).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from torch import nn
 
+from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
+from optimize.stages._preflight import fold_problems, with_meta_model
+from targets.group_size import group_size_error, widths_error
 
 #: ptq_int8's weight_qparams -> the fake-quant algorithm with the same numerics
 _ALGO = {"affine": "rtn", "hqq_scale_only": "hqq"}
@@ -47,14 +52,18 @@ class AwqConfig(StageConfig):
         description="module patterns the following stage leaves fp32 (their error is not counted); "
         "match ptq_int8's keep_high_precision",
     )
-
-    needs_calibration: ClassVar[bool] = True
+    exactness: ExactnessConfig = Field(
+        default_factory=ExactnessConfig,
+        description="how the fold is proven exact: logits before vs after on calibration windows; the "
+        "stage refuses a model whose logits move more than the tolerance",
+    )
 
     @field_validator("group_size")
     @classmethod
     def _multiple(cls, v: int) -> int:
-        if v % 32:
-            raise ValueError(f"group_size={v} is not a multiple of 32 (XNNPACK's 4-bit kernels need 32-channel blocks)")
+        why = group_size_error(v)
+        if why:
+            raise ValueError(why)
         return v
 
     @field_validator("folds")
@@ -63,6 +72,26 @@ class AwqConfig(StageConfig):
         if len(set(v)) != len(v):
             raise ValueError(f"folds {v} lists a fold twice")
         return v
+
+    def check_model(self, config: Any, target: Any | None) -> list[str]:
+        problems = fold_problems(config, self.folds)
+        if problems or self.scheme == "8da8w":
+            return problems
+        return with_meta_model(config, self._group_size_problems)
+
+    def _group_size_problems(self, model: nn.Module) -> list[str]:
+        """The int4 search fake-quantizes every searched reader in groups of group_size."""
+        from optimize.quant.equalize import fold_groups
+        from optimize.stages._select import select_modules, unmatched_patterns
+
+        typos = unmatched_patterns(model, self.keep_high_precision)
+        if typos:
+            return [f"keep_high_precision pattern(s) {typos} match no module of {type(model).__name__}"]
+        skip = set(select_modules(model, nn.Linear, include=self.keep_high_precision)[0]) if self.keep_high_precision else set()
+        mods = dict(model.named_modules())
+        widths = {n: mods[n].in_features for g in fold_groups(model, tuple(self.folds)) for n in g.linears if n not in skip}
+        why = widths_error(self.group_size, widths)
+        return [why] if why else []
 
 
 @register_stage("awq", AwqConfig)
@@ -82,8 +111,10 @@ def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     grid = tuple(i / (cfg.grid - 1) for i in range(cfg.grid))
     was_training = model.training
     model.eval()
+    probe = ExactnessProbe.before(model, probe_windows(ctx.calibration, cfg.exactness), cfg.exactness)
     res = awq_scale(model, windows, scheme_for(cfg.scheme, cfg.group_size, _ALGO[cfg.weight_qparams]), folds=tuple(cfg.folds),
                     rows=cfg.rows, grid=grid, skip=frozenset(skip_sel))
+    exact = probe.after(model, f"awq (folds {', '.join(cfg.folds)})")
     model.train(was_training)
     alphas = list(res.alphas.values())
     ctx.details.update(
@@ -96,6 +127,7 @@ def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
             "mean_alpha": round(sum(alphas) / max(len(alphas), 1), 3),
             "calibration_output_error_reduction": round(res.error_reduction, 4),
             "fold": "exact (norm / linear weights rescaled; no extra ops)",
+            "exactness": exact,
         }
     )
     ctx.log(f"awq: {res.groups} groups, {sum(a > 0 for a in alphas)} rescaled; calibration output error "

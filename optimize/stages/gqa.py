@@ -8,13 +8,13 @@ recovers partly. The result stays a normal Llama-family HF model with a smaller
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from torch import nn
 
 from optimize.finetune import FinetuneConfig, finetune
-from optimize.rewrites.gqa import convert_to_gqa
+from optimize.rewrites.gqa import config_problem, convert_to_gqa
 from optimize.stage_api import StageConfig, StageContext, register_stage
 
 
@@ -27,6 +27,20 @@ class GQAConfig(StageConfig):
         "mean", description="new KV head from its group: mean-pool (paper), first head, or random (ablations)"
     )
     heal: FinetuneConfig | None = Field(None, description="short distillation/fine-tune after the rewrite")
+
+    def check_model(self, config: Any, target: Any | None) -> list[str]:
+        why = config_problem(config, self.num_key_value_heads)
+        return [why] if why else []
+
+    def planned_config(self, config: Any) -> Any:
+        """The same config with ``num_key_value_heads`` KV heads (what the rewrite writes)."""
+        if config_problem(config, self.num_key_value_heads):
+            return config
+        config = copy.deepcopy(config)
+        config.num_key_value_heads = self.num_key_value_heads
+        if hasattr(config, "get_text_config"):
+            config.get_text_config().num_key_value_heads = self.num_key_value_heads
+        return config
 
 
 @register_stage("gqa", GQAConfig)

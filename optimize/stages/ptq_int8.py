@@ -27,7 +27,7 @@ Llama; the int4 path was not run to a .pte).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -36,9 +36,14 @@ from torch import nn
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._ptq_gptq import GptqOptions, quantize_gptq
 from optimize.stages._select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
+from targets.group_size import (
+    GROUP_MULTIPLE,
+    embedding_group_size_error,
+    embedding_width_error,
+    group_size_error,
+    widths_error,
+)
 
-#: XNNPACK's blockwise kernels need groups that are whole multiples of 32 input channels
-GROUP_MULTIPLE = 32
 DEFAULT_GROUP_SIZE = 32
 DEFAULT_EMBEDDING_GROUP_SIZE = 32
 
@@ -61,10 +66,12 @@ class Ptq8Config(StageConfig):
         description="module-name fnmatch patterns (or the shorthands 'lm_head', 'embeddings') left in "
         "fp32; the default keeps the output projection, the most sensitive layer",
     )
-    quantize_embedding: Literal["int8", "int4"] | None = Field(
+    quantize_embedding: Literal["int8", "int4", "tied"] | None = Field(
         None,
         description="also quantize the input embedding table weight-only (int8 per row, or int4 in "
-        "groups of embedding_group_size); an ExecuTorch .pte then needs executorch.kernels.quantized",
+        "groups of embedding_group_size); an ExecuTorch .pte then needs executorch.kernels.quantized. "
+        "tied: a tied embedding reuses the quantized lm_head's integers and scales (no extra bytes; "
+        "onnxruntime target, GatherBlockQuantized)",
     )
     embedding_group_size: int | None = Field(
         None,
@@ -128,19 +135,17 @@ class Ptq8Config(StageConfig):
     @field_validator("group_size")
     @classmethod
     def _group_multiple(cls, v: int | None) -> int | None:
-        if v is not None and v % GROUP_MULTIPLE:
-            ok = ", ".join(str(GROUP_MULTIPLE * k) for k in (1, 2, 4, 8))
-            raise ValueError(
-                f"group_size={v} is not a multiple of {GROUP_MULTIPLE}: XNNPACK's 4-bit kernels need "
-                f"whole 32-channel blocks (typical: {ok})"
-            )
+        why = group_size_error(v) if v is not None else None
+        if why:
+            raise ValueError(why)
         return v
 
     @field_validator("embedding_group_size")
     @classmethod
     def _even(cls, v: int | None) -> int | None:
-        if v is not None and v % 2:
-            raise ValueError(f"embedding_group_size={v} must be even (two int4 values pack into a byte)")
+        why = embedding_group_size_error(v) if v is not None else None
+        if why:
+            raise ValueError(why)
         return v
 
     @field_validator("keep_high_precision", "modules", "int8_modules")
@@ -175,6 +180,9 @@ class Ptq8Config(StageConfig):
             raise ValueError(
                 "algorithm gptq chooses its own scales: drop weight_qparams (use gptq.scale_init: hqq for HQQ scales)"
             )
+        if self.quantize_embedding == "tied" and "lm_head" in self.keep_high_precision:
+            raise ValueError("quantize_embedding: tied shares the quantized lm_head with the embedding; "
+                             "drop 'lm_head' from keep_high_precision")
         if self.quantize_embedding and "embeddings" in self.keep_high_precision:
             raise ValueError(
                 "quantize_embedding conflicts with keep_high_precision containing 'embeddings'; drop one"
@@ -183,6 +191,24 @@ class Ptq8Config(StageConfig):
 
     def quant_scheme(self) -> str:
         return self.scheme
+
+    def check_model(self, config: Any, target: Any | None) -> list[str]:
+        """The layer selection and group sizes against the model's layers (:func:`plan` on a
+        weightless copy), so a pattern typo or a group size that does not divide a layer's
+        in_features is refused at validation, not after the earlier stages ran."""
+        from optimize.stages._preflight import with_meta_model
+
+        def check(model: nn.Module) -> list[str]:
+            try:
+                plan(model, self)
+            except ValueError as exc:
+                return [str(exc).removeprefix("ptq_int8: ")]
+            return []
+
+        if self.quantize_embedding == "tied" and target is not None and getattr(target, "exporter", None) != "onnxruntime":
+            return [f"quantize_embedding: tied is read by the onnxruntime target only (GatherBlockQuantized); "
+                    f"target {target.name!r} needs int8 or int4"]
+        return with_meta_model(config, check)
 
     @property
     def promote_to(self) -> str:
@@ -280,32 +306,27 @@ def plan(model: nn.Module, cfg: Ptq8Config) -> dict:
         int8 = [n for n in selected if n in set(int8)]
     gs = cfg.effective_group_size
     if gs is not None:
-        four = [n for n in selected if n not in set(int8)]
-        bad = sorted({mods[n].in_features for n in four if mods[n].in_features % gs})
-        if bad:
-            common = _common_groups([mods[n].in_features for n in four])
-            raise ValueError(
-                f"ptq_int8: group_size={gs} does not divide in_features {bad} of the selected layers; "
-                f"group sizes that fit every layer: {common or 'none (keep those layers with keep_high_precision)'}"
-            )
+        why = widths_error(gs, {n: mods[n].in_features for n in selected if n not in set(int8)})
+        if why:
+            raise ValueError(f"ptq_int8: {why}")
     emb_name = None
-    if cfg.quantize_embedding:
+    if cfg.quantize_embedding == "tied":
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not is_tied(model.get_input_embeddings(), head) or module_name(model, head) not in set(selected):
+            raise ValueError("ptq_int8: quantize_embedding: tied needs a tied lm_head that this stage quantizes "
+                             "(tie_word_embeddings and lm_head not kept in high precision)")
+    elif cfg.quantize_embedding:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if not isinstance(emb, nn.Embedding):
             raise ValueError("ptq_int8: quantize_embedding needs a model whose get_input_embeddings() is nn.Embedding")
         if _is_quantized(emb.weight):
             raise ValueError("ptq_int8: the input embedding is already quantized")
         egs = cfg.embedding_group_size or DEFAULT_EMBEDDING_GROUP_SIZE
-        if cfg.quantize_embedding == "int4" and emb.embedding_dim % egs:
-            raise ValueError(
-                f"ptq_int8: embedding_group_size={egs} does not divide the embedding width {emb.embedding_dim}"
-            )
+        why = embedding_width_error(egs, emb.embedding_dim) if cfg.quantize_embedding == "int4" else None
+        if why:
+            raise ValueError(f"ptq_int8: {why}")
         emb_name = module_name(model, emb)
     return {"selected": selected, "kept": kept, "int8": int8, "conv1d_skipped": conv1d, "embedding": emb_name}
-
-
-def _common_groups(widths: list[int]) -> list[int]:
-    return [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths)]
 
 
 def _budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: dict) -> dict:
@@ -360,6 +381,10 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
         emb_fqn = p["embedding"]
         quantize_(model, embedding_config(cfg), filter_fn=lambda m, fqn: fqn == emb_fqn)
 
+    if cfg.quantize_embedding == "tied":  # the embedding looks up the lm_head's quantized rows
+        if type(out_emb.weight) in (torch.Tensor, nn.Parameter):
+            raise ValueError("ptq_int8: quantize_embedding: tied, but the lm_head was left fp32 (by the size budget?)")
+        in_emb.weight = out_emb.weight
     untied = was_tied and not is_tied(in_emb, out_emb)
     if untied:
         _untie_config(model)

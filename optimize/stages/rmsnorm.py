@@ -4,7 +4,9 @@ Edge runtimes and TorchChat take RMSNorm only. For pre-LayerNorm transformers (G
 with do_layer_norm_before, GPT-NeoX/Pythia parallel or not, Phi) the rewrite is exact: see
 ``optimize.rewrites.layernorm_fold``. Other models are refused with the reason, unless the
 config sets ``approximate: true``, which swaps the norms anyway (weight = gamma, beta and
-centring dropped) and may heal afterwards.
+centring dropped) and may heal afterwards. The exact rewrite is proven on calibration windows
+(``exactness``: logits before vs after, :mod:`optimize.rewrites.exactness`) and refused if
+they moved; an architecture without an exact plan is refused at validation already.
 
 Reload: the model stays its HF class with ``LlamaRMSNorm`` modules; the rewrite is recorded
 in ``config.edge_optimize_rmsnorm``. Load a saved result with
@@ -16,16 +18,24 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
-import torch
 from pydantic import Field, model_validator
 from torch import nn
 
 from optimize.finetune import FinetuneConfig, finetune
-from optimize.rewrites.layernorm_fold import CONFIG_KEY, apply_structure, fold_exact, swap_approximate
+from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
+from optimize.rewrites.layernorm_fold import (
+    CONFIG_KEY,
+    apply_structure,
+    fold_exact,
+    planned_record,
+    swap_approximate,
+    untie_config,
+)
 from optimize.rewrites.ln_plans import RewriteRefused, plan_for
 from optimize.stage_api import StageConfig, StageContext, register_stage
+from optimize.stages._preflight import meta_or_none, with_meta_model
 
 
 class RMSNormConfig(StageConfig):
@@ -38,11 +48,10 @@ class RMSNormConfig(StageConfig):
     heal: FinetuneConfig | None = Field(
         None, description="short distillation/fine-tune after an approximate swap (needs approximate: true)"
     )
-    verify_tokens: int = Field(
-        32, ge=0, description="tokens of a probe forward compared before/after the exact rewrite; 0 skips it"
-    )
-    tolerance: float = Field(
-        1e-3, gt=0, description="largest max-abs logit difference the exact rewrite may show on the probe"
+    exactness: ExactnessConfig = Field(
+        default_factory=ExactnessConfig,
+        description="how the exact rewrite is proven: logits before vs after on calibration windows; the "
+        "stage refuses a model whose logits move more than the tolerance (not used by approximate swaps)",
     )
 
     @model_validator(mode="after")
@@ -51,17 +60,33 @@ class RMSNormConfig(StageConfig):
             raise ValueError("heal needs approximate: true (the exact rewrite changes no outputs, so it needs no healing)")
         return self
 
+    def check_model(self, config: Any, target: Any | None) -> list[str]:
+        if self.approximate:
+            return []
 
-def _probe_ids(ctx: StageContext, n: int) -> torch.Tensor:
-    src = ctx.calibration[0] if ctx.calibration else ctx.train_ids
-    if src is None or src.numel() < 2:
-        return torch.arange(n).unsqueeze(0)
-    return src[:n].long().unsqueeze(0)
+        def check(model: nn.Module) -> list[str]:
+            if not any(isinstance(m, nn.LayerNorm) for m in model.modules()):
+                return []  # nothing to rewrite: the stage is a no-op
+            try:
+                plan_for(model)
+            except RewriteRefused as exc:
+                return [f"exact rewrite refused: {exc}"]
+            return []
 
+        return with_meta_model(config, check)
 
-def _logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+    def planned_config(self, config: Any) -> Any:
+        """Record the rewrite the way the stage will (``config.edge_optimize_rmsnorm``, marked
+        ``planned``), so exporters that need RMSNorm (TorchChat) see it at validation."""
+        model = meta_or_none(config)
+        record = planned_record(model, self.approximate) if model is not None else None
+        if record is None:
+            return config
+        config = copy.deepcopy(config)
+        setattr(config, CONFIG_KEY, record)
+        if record["untied_head"]:
+            untie_config(config)
+        return config
 
 
 def restore(model: nn.Module, cfg: RMSNormConfig | None = None) -> None:
@@ -87,8 +112,9 @@ def rmsnorm(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext) -> nn.Modul
             raise RewriteRefused(f"rmsnorm: exact rewrite refused: {exc}") from None
         return _approximate(model, cfg, ctx, str(exc))
 
-    ids = _probe_ids(ctx, cfg.verify_tokens) if cfg.verify_tokens else None
-    ref = _logits(model, ids) if ids is not None else None
+    wins = probe_windows(ctx.calibration, cfg.exactness, fallback=ctx.train_ids,
+                         vocab=model.get_input_embeddings().num_embeddings)
+    probe = ExactnessProbe.before(model, wins, cfg.exactness)
     record = fold_exact(model, plan)
     facts = {
         "mode": "exact",
@@ -99,13 +125,7 @@ def rmsnorm(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext) -> nn.Modul
         "notes": plan.notes,
         "reload": "optimize.rewrites.layernorm_fold.load_rewritten(dir)",
     }
-    if ref is not None:
-        diff = float((_logits(model, ids) - ref).abs().max())
-        facts["probe_max_abs_logit_diff"] = diff
-        if not diff <= cfg.tolerance:
-            raise RuntimeError(
-                f"rmsnorm: exact rewrite of {plan.arch} changed logits by {diff:.3g} > tolerance {cfg.tolerance}"
-            )
+    facts["exactness"] = probe.after(model, f"rmsnorm (exact LayerNorm->RMSNorm rewrite of {plan.arch})")
     ctx.details.update(facts)
     ctx.log(f"rmsnorm: exact fold on {plan.arch}: {len(record['norms'])} LayerNorms -> RMSNorm")
     return model

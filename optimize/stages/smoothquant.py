@@ -4,19 +4,26 @@ norm (or linear), before a W8A8 quantization (ORT static/dynamic QDQ, XNNPACK 8d
 The model stays fp32 and computes the same logits (to float rounding), so the stage can sit
 anywhere before the quantizer: a ``ptq_int8`` stage for ExecuTorch, or the ORT exporter's
 ``quantize: static|dynamic`` option. Folds (see :mod:`optimize.quant.equalize`): ``qkv``
-(input_layernorm -> q/k/v_proj), ``gate_up`` (post_attention_layernorm -> gate/up_proj),
+(input_layernorm -> q/k/v_proj), ``gate_up`` (the MLP's pre-norm -> gate/up_proj),
 ``down`` (up_proj rows -> down_proj; exact because act(gate) * up is linear in up) and
 ``o`` (v_proj rows -> o_proj, GQA-aware; exact because attention is linear in V).
+
+Supported layouts (Llama, Mistral, Qwen2/3, Phi-3's fused projections, Gemma's ``1 + w``
+norms and Gemma2/3's pre-feedforward norm) are in :mod:`optimize.quant.fold_layouts`; other
+architectures are refused at validation. After folding, the logits on calibration windows
+are compared with the model's before (``exactness``), and a fold that is not exact stops the run.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from torch import nn
 
+from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
+from optimize.stages._preflight import fold_problems
 
 
 class SmoothQuantConfig(StageConfig):
@@ -29,14 +36,18 @@ class SmoothQuantConfig(StageConfig):
     folds: list[Literal["qkv", "gate_up", "down", "o"]] = Field(
         default_factory=lambda: ["qkv", "gate_up", "down", "o"],
         min_length=1,
-        description="where to fold: qkv (input_layernorm), gate_up (post_attention_layernorm), down "
-        "(up_proj -> down_proj) and o (v_proj -> o_proj); all are exact in fp32",
+        description="where to fold: qkv (input_layernorm), gate_up (the MLP's pre-norm: post_attention_layernorm, "
+        "pre_feedforward_layernorm in Gemma2/3), down (up_proj -> down_proj) and o (v_proj -> o_proj); all are "
+        "exact in fp32",
     )
     calibration_windows: int = Field(
         8, ge=1, description="at most this many calibration windows are used to measure activation ranges"
     )
-
-    needs_calibration: ClassVar[bool] = True
+    exactness: ExactnessConfig = Field(
+        default_factory=ExactnessConfig,
+        description="how the fold is proven exact: logits before vs after on calibration windows; the "
+        "stage refuses a model whose logits move more than the tolerance",
+    )
 
     @field_validator("folds")
     @classmethod
@@ -44,6 +55,9 @@ class SmoothQuantConfig(StageConfig):
         if len(set(v)) != len(v):
             raise ValueError(f"folds {v} lists a fold twice")
         return v
+
+    def check_model(self, config: Any, target: Any | None) -> list[str]:
+        return fold_problems(config, self.folds)
 
 
 @register_stage("smoothquant", SmoothQuantConfig)
@@ -56,7 +70,9 @@ def smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: StageContext) -> 
     windows = ctx.calibration[: cfg.calibration_windows]
     was_training = model.training
     model.eval()
+    probe = ExactnessProbe.before(model, probe_windows(ctx.calibration, cfg.exactness), cfg.exactness)
     res = smooth(model, windows, alpha=cfg.alpha, folds=tuple(cfg.folds))
+    exact = probe.after(model, f"smoothquant (folds {', '.join(cfg.folds)})")
     model.train(was_training)
     ctx.details.update(
         {
@@ -68,6 +84,7 @@ def smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: StageContext) -> 
             "activation_outlier_ratio_after": round(res.outlier_ratio_after, 2),
             "scale_range": [round(x, 5) for x in res.scale_range],
             "fold": "exact (norm / linear weights rescaled; no extra ops)",
+            "exactness": exact,
         }
     )
     ctx.log(

@@ -115,3 +115,14 @@ def test_run_sensitivity_takes_the_onnx_runtime_mode(tiny_cfg, tmp_path):
         rep = run_sensitivity(tiny_cfg, ["data.eval_tokens=64"], groups=["blocks"], windows=1, seq_len=32,
                               out_dir=tmp_path / mode)
         assert rep.scheme == scheme
+
+
+def test_cli_groups_take_one_comma_separated_value_and_keep_trailing_overrides():
+    from optimize.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["sensitivity", "p.yaml", "--groups", "blocks,lm_head", "data.eval_tokens=64"])
+    assert args.groups == ["blocks", "lm_head"]
+    assert args.overrides == ["data.eval_tokens=64"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sensitivity", "p.yaml", "--groups", "blocks,layers"])

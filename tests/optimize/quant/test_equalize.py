@@ -9,6 +9,7 @@ from optimize.quant.awq import awq_scale, linear_error
 from optimize.quant.equalize import ALL_FOLDS, apply_fold, fold_groups
 from optimize.quant.fakequant import fake_quantized, scheme_for
 from optimize.quant.smoothquant import smooth, smooth_scales
+from tiny_families import FAMILIES, family  # tests/optimize is on sys.path (its conftest)
 
 
 def _calib(n=2, length=48):
@@ -95,5 +96,98 @@ def test_bad_values_say_what_is_wrong(tiny_llama):
         apply_fold(tiny_llama, g, torch.zeros(64))
     with pytest.raises(ValueError, match="at least 16 calibration rows"):
         awq_scale(tiny_llama, _calib(), scheme_for("8da4w"), rows=4)
-    with pytest.raises(ValueError, match="no Llama-style decoder blocks"):
+    with pytest.raises(ValueError, match="has no transformers config"):
         fold_groups(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+# ---------------------------------------------------------------------------------------------
+# every supported family: the folds follow its layout (Gemma's 1 + w norms, Gemma2/3's
+# pre-feedforward norm, Phi-3's fused projections, Qwen3/Gemma3's q/k norms) and stay exact
+
+
+def _rel_diff(model, fn) -> float:
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids).logits
+        fn(model)
+        return float((model(ids).logits - ref).abs().max() / ref.abs().max())
+
+
+def _calib512(n=2, length=48):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 512, (length,), generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_smoothquant_and_awq_are_exact_on_every_supported_family(model_type):
+    # before the layouts, gemma/gemma2/gemma3_text moved logits by 50-90% of their scale here
+    rel = _rel_diff(family(model_type), lambda m: smooth(m, _calib512(), alpha=0.8, folds=ALL_FOLDS))
+    assert rel < 1e-5, f"{model_type}: smoothquant moved logits by {rel:.3g} of their scale"
+    res = None
+
+    def run_awq(m):
+        nonlocal res
+        res = awq_scale(m, _calib512(), scheme_for("8da4w", 32), rows=32)
+
+    rel = _rel_diff(family(model_type), run_awq)
+    assert rel < 1e-5, f"{model_type}: awq moved logits by {rel:.3g} of their scale"
+    assert any(a > 0 for a in res.alphas.values())  # something was rescaled
+
+
+def test_fold_targets_follow_each_layout():
+    from optimize.quant.equalize import channels
+
+    g2 = {g.kind: g for g in fold_groups(family("gemma2"), ALL_FOLDS)[:4]}
+    # Gemma2's post_attention_layernorm normalises the attention output; the MLP reads pre_feedforward_layernorm
+    assert g2["gate_up"].source == "model.layers.0.pre_feedforward_layernorm"
+    assert g2["qkv"].source == "model.layers.0.input_layernorm"
+    phi3 = family("phi3")
+    groups = {g.kind: g for g in fold_groups(phi3, ALL_FOLDS)[:4]}
+    assert groups["qkv"].linears == ["model.layers.0.self_attn.qkv_proj"]
+    # rows q (4 heads) | k (2) | v (2) of 16: v is rows 96..128; up is the second half of gate_up
+    assert groups["o"].source == "model.layers.0.self_attn.qkv_proj" and groups["o"].rows == (96, 128)
+    assert groups["down"].source == "model.layers.0.mlp.gate_up_proj" and groups["down"].rows == (128, 256)
+    assert channels(phi3, groups["o"]) == 32 and channels(phi3, groups["down"]) == 128
+
+
+def test_norm_offset_is_measured_not_assumed():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from optimize.quant.fold_layouts import FoldRefused, norm_offset
+
+    gemma, llama = GemmaRMSNorm(8), LlamaRMSNorm(8)
+    with torch.no_grad():
+        gemma.weight.normal_()
+        llama.weight.normal_()
+    before = gemma.weight.detach().clone()
+    assert norm_offset(gemma, "g") == 1.0 and norm_offset(llama, "l") == 0.0
+    assert norm_offset(torch.nn.LayerNorm(8), "ln") == 0.0
+    assert torch.equal(gemma.weight, before)  # the probe puts the weight back bit for bit
+
+    class Squared(torch.nn.Module):  # a norm whose scale is not affine in its weight
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+        def forward(self, x):
+            return x * self.weight**2
+
+    with pytest.raises(FoldRefused, match=r"q \(Squared\) does not compute n\(x\) \* w or n\(x\) \* \(1 \+ w\)"):
+        norm_offset(Squared(), "q")
+
+
+def test_unsupported_layouts_are_refused_with_the_reason():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optimize.quant.fold_layouts import FoldRefused
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=512))
+    with pytest.raises(FoldRefused, match=r"architecture 'gpt2' has no equalization fold layout .*supported: gemma, "
+                                          r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+        fold_groups(gpt2)
+    model = family("qwen3")
+    model.model.layers[1].self_attn.v_norm = torch.nn.Identity()  # a value norm (as in Gemma3n)
+    fold_groups(model, ("qkv", "gate_up", "down"))  # the other folds do not touch v
+    with pytest.raises(FoldRefused, match=r"model.layers.1.self_attn normalises v \(v_norm\).*drop the 'o' fold"):
+        fold_groups(model, ("o",))

@@ -28,6 +28,7 @@ EXAMPLES: dict[str, tuple[dict, dict | None]] = {
     "awq": ({"rows": 32}, None),
     "distill": ({"steps": 2, "seq_len": 32, "temperature": 2.0, "alpha": 0.1}, None),
     "qat": ({"scheme": "8da4w", "steps": 2, "seq_len": 32}, None),
+    "prune": ({"method": "width", "num_attention_heads": 2, "mlp_ratio": 0.25}, None),
 }
 
 

@@ -1,4 +1,5 @@
-"""The gqa stage: shapes, parameter counts, identity, mean-pooling, config errors, real SmolLM2."""
+"""The gqa stage: shapes, parameter counts, identity, mean-pooling, KV-cache factor, heal lowers KL,
+validation-time refusals and planned configs, real SmolLM2 (exact when grouped heads are equal)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,58 @@ def test_heal_block_records_loss_curve(tmp_path):
     assert math.isfinite(h["loss_first"]) and math.isfinite(h["loss_last"])
 
 
+def kl_to(teacher_logits: torch.Tensor, model, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)
+    ref = torch.log_softmax(teacher_logits.float(), -1)
+    return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+
+def test_kv_cache_shrinks_by_the_factor_and_heal_lowers_kl(tmp_path):
+    """MHA (4 KV heads) -> MQA: the cache is 4x smaller, and distilling back toward the original
+    model brings the output distribution closer on text it did not train on."""
+    held_out = torch.randint(0, V, (2, 48), generator=torch.Generator().manual_seed(11))
+    teacher = llama(kv_heads=4)
+    with torch.no_grad():
+        ref = teacher(input_ids=held_out).logits
+    c_plain = ctx(tmp_path)
+    plain = run(llama(kv_heads=4), {"num_key_value_heads": 1}, c_plain)
+    heal = {"steps": 25, "seq_len": 32, "batch": {"micro_batch_size": 4}, "optimizer": {"lr": 3e-4}, "progress": False}
+    healed = run(llama(kv_heads=4), {"num_key_value_heads": 1, "heal": heal}, ctx(tmp_path))
+    assert c_plain.details["kv_cache_bytes_per_token_before"] == 4 * c_plain.details["kv_cache_bytes_per_token_after"]
+    kl_plain, kl_healed = kl_to(ref, plain, held_out), kl_to(ref, healed, held_out)
+    assert kl_plain > 1e-4  # pooling 4 different heads into one changes the model
+    assert kl_healed < 0.8 * kl_plain, (kl_plain, kl_healed)  # measured 0.68x (deterministic seeds)
+
+
+def test_refused_at_validation_and_planned_kv_heads_flow_on(tiny_cfg):
+    from optimize import load_config
+    from optimize.errors import ConfigError
+
+    tiny_cfg["model"]["config"]["num_key_value_heads"] = 4
+    tiny_cfg["stages"] = [{"kind": "gqa", "num_key_value_heads": 3}]
+    with pytest.raises(ConfigError, match=r"stages\.0: stage '0:gqa': num_key_value_heads=3 must divide the model's "
+                                          r"current 4 KV heads; valid values: 1, 2, 4"):
+        load_config(tiny_cfg)
+    # the second stage sees the first one's planned config: 2 KV heads left, so 4 is refused
+    tiny_cfg["stages"] = [{"kind": "gqa", "num_key_value_heads": 2}, {"kind": "gqa", "num_key_value_heads": 4}]
+    with pytest.raises(ConfigError, match=r"stages\.1: stage '1:gqa': num_key_value_heads=4 must divide the model's "
+                                          r"current 2 KV heads; valid values: 1, 2$"):
+        load_config(tiny_cfg)
+    tiny_cfg["stages"] = [{"kind": "gqa", "num_key_value_heads": 2}, {"kind": "gqa", "num_key_value_heads": 1}]
+    cfg = load_config(tiny_cfg)
+    from train.sources import peek_config
+
+    original = peek_config(cfg.model)
+    planned = cfg.stages[1].planned_config(cfg.stages[0].planned_config(original))
+    assert planned.num_key_value_heads == 1 and original.num_key_value_heads == 4
+    tiny_cfg["model"]["config"] = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=49152)
+    tiny_cfg["stages"] = [{"kind": "gqa", "num_key_value_heads": 1}]
+    with pytest.raises(ConfigError, match=r"stage '0:gqa': architecture 'gpt2' is not supported by the gqa stage; "
+                                          r"supported: llama, mistral, qwen2, qwen3"):
+        load_config(tiny_cfg)
+
+
 def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
     nll, n = 0.0, 0
     with torch.no_grad():
@@ -175,4 +228,21 @@ def test_smollm2_three_kv_heads_to_one(smollm2_loaded, pydoc_splits, tmp_path):
           f"{c.details['kv_cache_bytes_per_token_after']} bytes/token")
     assert c.details["kv_cache_bytes_per_token_before"] == 2 * 30 * 3 * 64 * 4
     assert c.details["kv_cache_bytes_per_token_after"] == 2 * 30 * 1 * 64 * 4
-    assert math.isfinite(after) and after > before
+    # measured 15.25 -> 16105: SmolLM2's three KV heads are far apart, so one mean-pooled head
+    # breaks attention until a heal block trains it (the tiny-model test above shows heal helps);
+    # still finite, and still better than guessing uniformly over the vocabulary
+    vocab = model.config.vocab_size
+    assert math.isfinite(after) and before < after < vocab, (before, after)
+    # the head mapping on the real layout (9 query heads, query head i reads KV head i // 3): with
+    # the 3 KV heads made equal first, pooling them into one must change nothing
+    equal = copy.deepcopy(smollm2_loaded.model).eval()
+    with torch.no_grad():
+        for layer in equal.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(3, 64, -1)
+                w[1].copy_(w[0])
+                w[2].copy_(w[0])
+        ids_short = ids[:129].unsqueeze(0)
+        ref = equal(input_ids=ids_short).logits
+        out = run(equal, {"num_key_value_heads": 1}, ctx(tmp_path))
+        assert (out(input_ids=ids_short).logits - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -47,7 +47,7 @@ def test_registered_with_description_and_scheme():
     assert "8da8w" in spec.description and "GPTQ" in spec.description
     assert Ptq8Config().quant_scheme() == "8da8w"
     assert Ptq8Config(scheme="8da4w").quant_scheme() == "8da4w"
-    assert Ptq8Config.needs_calibration is False
+    assert not hasattr(Ptq8Config, "needs_calibration")  # removed: the runner always prepares calibration text
     for name, field in Ptq8Config.model_fields.items():
         if name != "kind":
             assert field.description, name
@@ -161,8 +161,39 @@ def test_bad_config_messages(opts, text):
 
 def test_group_size_must_divide_in_features(tiny_llama):
     # hidden 64: 128 is a multiple of 32 but does not divide the attention projections' in_features
-    with pytest.raises(ValueError, match=r"group_size=128 does not divide in_features \[64\].*fit every layer: \[32, 64\]"):
+    with pytest.raises(ValueError, match=r"group_size=128 does not divide the in_features of 12 layer\(s\), "
+                       r"e\.g\. model\.layers\.0\.self_attn\.q_proj \(in_features=64\).*fit every layer: 32, 64$"):
         _run(copy.deepcopy(tiny_llama), scheme="8da4w", group_size=128)
+
+
+TINY_GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=49152)
+
+
+@pytest.mark.parametrize(
+    "stage,model,message",
+    [
+        ({"scheme": "8da4w", "group_size": 128}, None,
+         r"group_size=128 does not divide the in_features of 12 layer\(s\), e\.g\. model\.layers\.0\.self_attn"
+         r"\.q_proj \(in_features=64\).*group sizes that fit every layer: 32, 64"),
+        ({"scheme": "8da4w", "keep_high_precision": []}, dict(intermediate_size=80),  # down_proj reads 80 columns
+         r"group_size=32 does not divide.*\.mlp\.down_proj \(in_features=80\); group sizes that fit every layer: "
+         r"none of \[32, 64, 128, 256\] \(keep the odd layers in higher precision\)"),
+        ({"keep_high_precision": ["lm_haed"]}, None, r"pattern\(s\) \['lm_haed'\] match no module of LlamaForCausalLM"),
+        ({"quantize_embedding": "int4", "embedding_group_size": 48}, None,
+         "embedding_group_size=48 does not divide the embedding width 64; choose one that does"),
+        ({}, TINY_GPT2, "GPT2LMHeadModel uses transformers Conv1D .GPT-2 family. for 8 projections"),
+    ],
+)
+def test_refused_at_validation_from_the_config(tiny_cfg, stage, model, message):
+    """Pre-flight: load_config (optimize validate) refuses what ptq_int8 would refuse after loading."""
+    from optimize import load_config
+    from optimize.errors import ConfigError
+
+    if model is not None:
+        tiny_cfg["model"]["config"] = dict(TINY_GPT2) if "model_type" in model else {**tiny_cfg["model"]["config"], **model}
+    tiny_cfg["stages"] = [{"kind": "ptq_int8", **stage}]
+    with pytest.raises(ConfigError, match=r"stages\.0: stage '0:ptq_int8': " + message):
+        load_config(tiny_cfg)
 
 
 def test_pattern_typo_and_empty_selection(tiny_llama):

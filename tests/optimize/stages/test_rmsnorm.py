@@ -14,6 +14,8 @@ from optimize.stage_api import StageContext, get_stage
 from optimize.stages.rmsnorm import RMSNormConfig, restore
 
 V = 512
+TINY_LLAMA_CFG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152)
 MODEL_TYPE = {"opt_nobias": "opt", "gpt_neox_parallel": "gpt_neox", "gpt_neox_sequential": "gpt_neox"}
 ARCHS = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=V, n_positions=64),
@@ -71,7 +73,9 @@ def test_exact_on_every_supported_family(name, tmp_path):
     assert not any(isinstance(m, nn.LayerNorm) for m in out.modules())
     diff = (logits(out, IDS) - ref).abs().max().item()
     assert diff <= 1e-4, f"{name}: max abs logit diff {diff}"
-    assert c.details["mode"] == "exact" and c.details["probe_max_abs_logit_diff"] <= 1e-4
+    exact = c.details["exactness"]
+    assert c.details["mode"] == "exact" and exact["relative_diff"] <= exact["tolerance"] == 1e-4
+    assert exact["tokens"] == 64 and exact["max_abs_logit_diff"] <= 1e-4  # ctx() has one 64-token window
     assert getattr(out.config, CONFIG_KEY)["mode"] == "exact"
 
 
@@ -162,3 +166,80 @@ def test_pipeline_resume_restores_rewritten_layout(tiny_cfg):
     again = run_pipeline(load_config(tiny_cfg, ["stages.1.scale=1e-12"]), say=messages.append)
     assert [r.status for r in again.rows[1:]] == ["resumed", "pass"], again.rows[-1].error
     assert math.isclose(again.rows[2].metrics.perplexity, first.rows[2].metrics.perplexity, rel_tol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# pre-flight (validation) and the shared exactness check
+
+TINY = {
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=49152),
+    "opt_post_ln": dict(model_type="opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                        vocab_size=49152, word_embed_proj_dim=64, do_layer_norm_before=False),
+    "gptj": dict(model_type="gptj", n_embd=64, n_layer=1, n_head=4, vocab_size=49152, rotary_dim=8, n_positions=512),
+}
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ("opt_post_ln", r"exact rewrite refused: opt with do_layer_norm_before=False \(post-LayerNorm"),
+        ("gptj", r"exact rewrite refused: architecture 'gptj' \(GPTJForCausalLM\) has no exact LayerNorm->RMSNorm plan"),
+    ],
+)
+def test_refused_at_validation_unless_approximate(tiny_cfg, model, message):
+    from optimize import load_config
+    from optimize.errors import ConfigError
+
+    tiny_cfg["model"]["config"] = dict(TINY[model])
+    tiny_cfg["stages"] = [{"kind": "rmsnorm"}]
+    with pytest.raises(ConfigError, match=r"stages\.0: stage '0:rmsnorm': " + message):
+        load_config(tiny_cfg)
+    tiny_cfg["stages"] = [{"kind": "rmsnorm", "approximate": True}]
+    assert load_config(tiny_cfg).stages[0].approximate is True
+
+
+def test_planned_config_records_the_rewrite_for_exporters(tiny_cfg, tmp_path):
+    """An exporter that needs RMSNorm (TorchChat) sees the record at validation, before any weights."""
+    from optimize import load_config
+    from train.sources import peek_config
+
+    tiny_cfg["model"]["config"] = dict(TINY["gpt2"], tie_word_embeddings=True)
+    tiny_cfg["stages"] = [{"kind": "rmsnorm"}]
+    stage = load_config(tiny_cfg).stages[0]
+    config = peek_config(load_config(tiny_cfg).model)
+    planned = stage.planned_config(config)
+    record = getattr(planned, CONFIG_KEY)
+    assert record["mode"] == "exact" and record["planned"] is True and record["arch"] == "gpt2"
+    assert record["norms"] == ["transformer.h.0.ln_1", "transformer.h.0.ln_2", "transformer.h.1.ln_1",
+                               "transformer.h.1.ln_2", "transformer.ln_f"]
+    assert record["untied_head"] is True and planned.tie_word_embeddings is False
+    assert getattr(config, CONFIG_KEY, None) is None and config.tie_word_embeddings is True  # input untouched
+    # the stage writes the same record (plus eps and added biases) when it runs
+    model = AutoModelForCausalLM.from_config(config).eval()
+    run(model, {}, ctx(tmp_path))
+    done = getattr(model.config, CONFIG_KEY)
+    assert {k: done[k] for k in ("mode", "arch", "norms", "untied_head")} == {
+        k: record[k] for k in ("mode", "arch", "norms", "untied_head")}
+    approx = load_config({**tiny_cfg, "model": {**tiny_cfg["model"], "config": dict(TINY["opt_post_ln"])},
+                          "stages": [{"kind": "rmsnorm", "approximate": True}]})
+    rec = getattr(approx.stages[0].planned_config(peek_config(approx.model)), CONFIG_KEY)
+    assert rec["mode"] == "approximate" and len(rec["norms"]) == 4  # 2 per layer (post-LN OPT has no final norm)
+    llama = load_config({**tiny_cfg, "model": {**tiny_cfg["model"], "config": dict(TINY_LLAMA_CFG)}})
+    cfg_llama = peek_config(llama.model)
+    assert RMSNormConfig().planned_config(cfg_llama) is cfg_llama  # no LayerNorm: nothing to record
+
+
+def test_exact_rewrite_that_is_not_exact_is_refused(tmp_path, monkeypatch):
+    import optimize.stages.rmsnorm as stage
+    from optimize.rewrites.exactness import FoldNotExact
+
+    real = stage.fold_exact
+
+    def broken(model, plan):  # forgets to centre the embeddings, so LayerNorm's mean subtraction mattered
+        plan.embeddings.clear()
+        return real(model, plan)
+
+    monkeypatch.setattr(stage, "fold_exact", broken)
+    with pytest.raises(FoldNotExact, match=r"rmsnorm \(exact LayerNorm->RMSNorm rewrite of gpt2\) is not exact on this "
+                                           r"model: logits moved by up to .*above the tolerance 0.0001"):
+        run(build("gpt2"), {}, ctx(tmp_path))

@@ -73,3 +73,97 @@ def test_stages_need_calibration(tiny_llama, tiny_cfg, tmp_path):
     tiny_cfg["stages"] = [{"kind": "awq", "keep_high_precision": ["model.nope"]}]
     with pytest.raises(ValueError, match=r"pattern\(s\) \['model.nope'\] match no module"):
         get_stage("awq").fn(tiny_llama, load_config(tiny_cfg).stages[0], _ctx(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# exactness is proven on calibration windows, per family; unsupported models are refused early
+
+
+def _family_ctx(tmp_path, n=2):
+    g = torch.Generator().manual_seed(3)
+    return StageContext(tokenizer=None, calibration=[torch.randint(0, 512, (64,), generator=g) for _ in range(n)],
+                        train_ids=torch.zeros(0, dtype=torch.long), target=None, work_dir=tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "qwen3"])
+@pytest.mark.parametrize("kind", ["smoothquant", "awq"])
+def test_stage_is_exact_on_gemma_phi3_qwen3(tmp_path, kind, model_type):
+    """The Gemma bug: smoothquant took a Gemma model's perplexity from 37.6 to 66571 and passed."""
+    from tiny_families import family
+
+    model = family(model_type)
+    spec = get_stage(kind)
+    cfg = spec.config_cls.model_validate({"kind": kind, **({"rows": 32} if kind == "awq" else {})})
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(9))
+    ctx = _family_ctx(tmp_path)
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = spec.fn(model, cfg, ctx)(ids).logits
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    exact = ctx.details["exactness"]
+    assert exact["relative_diff"] <= 1e-5 and exact["tolerance"] == 1e-4 and exact["tokens"] == 128
+
+
+@pytest.mark.parametrize("kind", ["smoothquant", "awq"])
+def test_a_fold_that_is_not_exact_stops_the_stage(tmp_path, monkeypatch, kind):
+    """Simulate the old fold (Gemma's 1 + w norm scaled as if it were w): the check refuses it."""
+    import optimize.quant.equalize as eq
+    from optimize.rewrites.exactness import FoldNotExact
+    from tiny_families import family
+
+    monkeypatch.setattr(eq, "norm_offset", lambda norm, name: 0.0)
+    spec = get_stage(kind)
+    cfg = spec.config_cls.model_validate({"kind": kind, **({"rows": 32} if kind == "awq" else {})})
+    with pytest.raises(FoldNotExact, match=rf"{kind} \(folds qkv, gate_up, down, o\) is not exact on this model: "
+                                           r"logits moved by up to .* above the tolerance 0.0001"):
+        spec.fn(family("gemma2"), cfg, _family_ctx(tmp_path))
+
+
+def test_pipeline_stops_when_the_fold_is_not_exact(tiny_cfg, monkeypatch):
+    import optimize.quant.equalize as eq
+    from optimize import run_pipeline
+
+    tiny_cfg["model"]["config"] = {**tiny_cfg["model"]["config"], "model_type": "gemma2", "head_dim": 16,
+                                   "tie_word_embeddings": True}
+    tiny_cfg["stages"] = [{"kind": "smoothquant"}]
+    cfg = load_config(tiny_cfg)
+    # the old fold: w / s on a norm computing x * (1 + w) (random Gemma norms start at w = 0, so
+    # the norm is left unchanged while the projections are scaled)
+    monkeypatch.setattr(eq, "norm_offset", lambda norm, name: 0.0)
+    report = run_pipeline(cfg, say=lambda m: None)
+    assert not report.ok and report.rows[-1].status == "error"
+    assert report.rows[-1].error.startswith("FoldNotExact: smoothquant (folds qkv, gate_up, down, o) is not exact")
+
+
+@pytest.mark.parametrize(
+    "stage,model,message",
+    [
+        ({"kind": "smoothquant"}, dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=49152),
+         r"architecture 'gpt2' has no equalization fold layout \(which norm feeds which projections\); supported: "
+         r"gemma, gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"),
+        ({"kind": "awq"}, dict(model_type="opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               ffn_dim=128, vocab_size=49152, word_embed_proj_dim=64),
+         "architecture 'opt' has no equalization fold layout"),
+        ({"kind": "awq", "group_size": 64, "keep_high_precision": []}, {"intermediate_size": 96},
+         r"group_size=64 does not divide the in_features of 2 layer\(s\), e\.g\. model\.layers\.0\.mlp\.down_proj "
+         r"\(in_features=96\).*fit every layer: 32$"),
+        ({"kind": "awq", "keep_high_precision": ["lm_haed"]}, {},
+         r"keep_high_precision pattern\(s\) \['lm_haed'\] match no module of LlamaForCausalLM"),
+    ],
+)
+def test_refused_at_validation_from_the_config(tiny_cfg, stage, model, message):
+    if "model_type" in model:
+        tiny_cfg["model"]["config"] = model
+    else:
+        tiny_cfg["model"]["config"] = {**tiny_cfg["model"]["config"], **model}
+    tiny_cfg["stages"] = [stage]
+    with pytest.raises(ConfigError, match=rf"stages\.0: stage '0:{stage['kind']}': " + message):
+        load_config(tiny_cfg)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text", "phi3", "qwen3", "mistral", "qwen2"])
+def test_supported_families_pass_validation(tiny_cfg, model_type):
+    tiny_cfg["model"]["config"] = {**tiny_cfg["model"]["config"], "model_type": model_type, "head_dim": 16,
+                                   "pad_token_id": 0}
+    tiny_cfg["stages"] = [{"kind": "smoothquant"}, {"kind": "awq"}]
+    assert len(load_config(tiny_cfg).stages) == 2

@@ -1,0 +1,55 @@
+"""Pre-flight checks the stages share: what a model's config alone tells about a stage.
+
+The checks run the stages' own planning code (fold groups, LayerNorm plans, ptq_int8's layer
+selection) on a weightless copy of the model built on the meta device from its config
+(:func:`train.model_parts.meta_model`), so validation and the run refuse the same things with
+the same sentences, and nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from torch import nn
+
+log = logging.getLogger("optimize")
+
+
+def meta_or_none(config: Any) -> nn.Module | None:
+    """The weightless model of ``config``, or None when it cannot be built without weights
+    (custom code, an unmapped class): the stage's own run-time checks still refuse it then."""
+    from train.model_parts import meta_model
+
+    try:
+        return meta_model(config)
+    except Exception as exc:  # transformers raises many kinds for configs it cannot build
+        log.info("pre-flight: cannot build %s on the meta device (%s); stage checks deferred to the run",
+                 getattr(config, "model_type", "?"), exc)
+        return None
+
+
+def with_meta_model(config: Any, check: Callable[[nn.Module], list[str]]) -> list[str]:
+    """``check(meta model)``, or [] when there is no meta model (see :func:`meta_or_none`)."""
+    model = meta_or_none(config)
+    return check(model) if model is not None else []
+
+
+def fold_problems(config: Any, folds: list[str] | tuple[str, ...]) -> list[str]:
+    """Why the equalization folds (smoothquant, awq) cannot apply to this architecture, if so."""
+    from optimize.quant.equalize import fold_groups
+    from optimize.quant.fold_layouts import FoldRefused, layout_for
+
+    try:
+        layout_for(config)
+    except FoldRefused as exc:
+        return [str(exc)]
+
+    def check(model: nn.Module) -> list[str]:
+        try:
+            fold_groups(model, tuple(folds))
+        except FoldRefused as exc:
+            return [str(exc)]
+        return []
+
+    return with_meta_model(config, check)
