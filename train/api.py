@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from targets.atomic import atomic_write_json
+from train.attention import check_backend_available
 from train.config import TrainRecipe
 from train.corpus import load_text, tokenize
 from train.distributed import init_distributed, teardown
@@ -44,6 +45,10 @@ class TrainReport(BaseModel):
     total_params: int = Field(description="all parameters (whole model, not per shard; NF4 counted unpacked)")
     checkpoints: list[str] = Field(description="checkpoints written by this run")
     exported_to: str | None = Field(description="consolidated Hugging Face model directory")
+    attention_kernel: str = Field("", description="attention kernel observed in the first forward, e.g. sdpa:flash")
+    attention: dict = Field(default_factory=dict, description="attention implementation, kernel calls and pattern")
+    loss: str = Field("", description="the loss that trained (chunked or full-logits cross-entropy)")
+    seq_lens: dict[int, int] = Field(default_factory=dict, description="window length per step (the curriculum)")
 
 
 def _train_ids(recipe: TrainRecipe, tokenizer):
@@ -64,6 +69,8 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
     cfg = recipe.loop_config()
     ctx = init_distributed(cfg.device, cfg.distributed)
     try:
+        # before loading: the model source would quietly fall back to sdpa where flash-attn cannot run
+        check_backend_available(cfg.attention.backend or recipe.model.attn_implementation, ctx.device)
         loaded = load_model(recipe.model)
         ids = _train_ids(recipe, loaded.tokenizer)
         result = train(loaded.model, ids, cfg, seq_len=recipe.data.seq_len, tokenizer=loaded.tokenizer, ctx=ctx)
@@ -88,6 +95,10 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
             total_params=result.total_params,
             checkpoints=[str(p) for p in result.checkpoints],
             exported_to=str(result.exported_to) if result.exported_to else None,
+            attention_kernel=result.attention.get("kernel", ""),
+            attention=result.attention,
+            loss=result.loss,
+            seq_lens=result.seq_lens,
         )
         if ctx.is_main:
             atomic_write_json(Path(cfg.output_dir) / "report.json", report.model_dump(mode="json"))

@@ -124,6 +124,65 @@ class BatchConfig(Strict):
         return self.micro_batch_size * self.grad_accum_steps
 
 
+class AttentionConfig(Strict):
+    """Attention at training time; see ``train/attention.py`` for what each choice runs."""
+
+    backend: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] | None = Field(
+        None,
+        description="attention implementation: sdpa (default), eager (matmul + softmax), flash_attention_2 "
+        "(flash-attn package, CUDA only), flex_attention (block-sparse masks; no backward on CPU in torch 2.13); "
+        "null keeps the model's (model.attn_implementation in a recipe)",
+    )
+    sdpa_kernel: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
+        "auto",
+        description="restrict SDPA to one kernel (torch.nn.attention.sdpa_kernel); CPU has flash and math, "
+        "CUDA also efficient and cudnn; auto lets the dispatcher choose",
+    )
+    sliding_window: int | None = Field(
+        None, ge=1, description="each token attends to itself and the sliding_window - 1 tokens before it"
+    )
+    global_tokens: int = Field(
+        0,
+        ge=0,
+        description="local+global sparse pattern: the first global_tokens positions of every window stay visible "
+        "to all queries (attention sinks); needs sliding_window",
+    )
+    window_impl: Literal["auto", "blockwise", "mask"] = Field(
+        "auto",
+        description="blockwise: SDPA per query block over its key band, O(T*window) memory (sdpa only); "
+        "mask: the pattern ANDed onto the model's causal mask (dense for sdpa/eager, a BlockMask for "
+        "flex_attention, window_size for flash-attn); auto: blockwise on sdpa, else mask",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AttentionConfig":
+        if self.global_tokens and self.sliding_window is None:
+            raise ValueError("global_tokens adds global positions to a sliding window; set sliding_window too")
+        if self.window_impl != "auto" and self.sliding_window is None:
+            raise ValueError(f"window_impl {self.window_impl} needs sliding_window")
+        if self.sdpa_kernel != "auto" and self.backend not in (None, "sdpa"):
+            raise ValueError(f"sdpa_kernel {self.sdpa_kernel} applies to backend sdpa, not {self.backend}")
+        if self.window_impl == "blockwise" and self.backend not in (None, "sdpa"):
+            raise ValueError(f"window_impl blockwise runs on SDPA; backend is {self.backend}")
+        if self.backend == "flash_attention_2" and self.global_tokens:
+            raise ValueError("flash-attn has sliding windows but no global tokens; use backend sdpa for global_tokens")
+        return self
+
+
+class LossConfig(Strict):
+    chunked: bool = Field(
+        True,
+        description="compute the LM loss through lm_head chunk by chunk (fused with its gradient), never holding "
+        "full [tokens, vocab] logits; equal to the plain loss to float tolerance",
+    )
+    chunk_size: int = Field(1024, ge=16, description="tokens per chunk (the live logits are chunk_size x vocab fp32)")
+
+
+class CurriculumStage(Strict):
+    until_step: int = Field(ge=1, description="use this length up to and including this optimizer step")
+    seq_len: int = Field(ge=8, description="tokens per packed window during this stage")
+
+
 class LoopConfig(Strict):
     """Everything the loop itself needs; a Python caller builds only this."""
 
@@ -141,6 +200,13 @@ class LoopConfig(Strict):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="FSDP2 sharding")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints and export")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metrics output")
+    attention: AttentionConfig = Field(default_factory=AttentionConfig, description="attention kernel and pattern")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the default next-token loss")
+    curriculum: list[CurriculumStage] = Field(
+        default_factory=list,
+        description="sequence-length curriculum: stages of increasing length (each until_step, seq_len); "
+        "after the last stage the run uses the full length (data.seq_len)",
+    )
     data_workers: int = Field(0, ge=0, description="DataLoader workers (copied from data.num_workers by recipes)")
     pin_memory: bool = Field(False, description="pin host batches (copied from data.pin_memory by recipes)")
     prefetch_factor: int | None = Field(None, ge=1, description="per-worker prefetch (copied from data by recipes)")
@@ -156,6 +222,17 @@ class LoopConfig(Strict):
             )
         if self.lora.quantize_base != "none" and not self.lora.enabled:
             raise ValueError("lora.quantize_base needs lora.enabled: true (QLoRA trains adapters on a frozen base)")
+        if self.device == "cpu" and self.attention.backend == "flash_attention_2":
+            raise ValueError(
+                "attention.backend flash_attention_2 needs CUDA and device is cpu; use sdpa (its flash kernel runs on CPU)"
+            )
+        for prev, cur in zip(self.curriculum, self.curriculum[1:]):
+            if cur.until_step <= prev.until_step or cur.seq_len <= prev.seq_len:
+                raise ValueError(
+                    "curriculum stages must grow: until_step and seq_len both strictly increasing, got "
+                    f"(until_step {prev.until_step}, seq_len {prev.seq_len}) then "
+                    f"(until_step {cur.until_step}, seq_len {cur.seq_len})"
+                )
         return self
 
 
@@ -166,6 +243,37 @@ class TrainRecipe(Strict):
     data: DataConfig = Field(default_factory=DataConfig, description="training text")
     train: LoopConfig = Field(default_factory=LoopConfig, description="the training loop")
 
+    @model_validator(mode="after")
+    def _fits_the_context(self) -> "TrainRecipe":
+        window = self.train.attention.sliding_window
+        if window is not None and window >= self.data.seq_len:
+            raise ValueError(
+                f"train.attention.sliding_window {window} must be smaller than the training context data.seq_len "
+                f"{self.data.seq_len} (a window covering the whole context is plain causal attention)"
+            )
+        for stage in self.train.curriculum:
+            if stage.seq_len >= self.data.seq_len:
+                raise ValueError(
+                    f"train.curriculum: stage seq_len {stage.seq_len} must be shorter than data.seq_len "
+                    f"{self.data.seq_len}, the full length the run ends with"
+                )
+        att = self.train.attention
+        backend = att.backend or self.model.attn_implementation
+        if backend == "flash_attention_2" and self.train.device == "cpu":
+            raise ValueError("model.attn_implementation flash_attention_2 needs CUDA and train.device is cpu")
+        if backend != "sdpa" and (att.sdpa_kernel != "auto" or att.window_impl == "blockwise"):
+            what = f"sdpa_kernel {att.sdpa_kernel}" if att.sdpa_kernel != "auto" else "window_impl blockwise"
+            raise ValueError(f"train.attention.{what} needs SDPA, but the model's attention is {backend}")
+        return self
+
+    def _attention_backend(self) -> str | None:
+        """The loop's backend: the train block's, else the model's unless that is the default sdpa, which
+        the source already applied where the family has it (Gemma-2 has none and loads eager: asking the
+        loop for sdpa again would refuse a recipe that trains fine)."""
+        if self.train.attention.backend is not None:
+            return self.train.attention.backend
+        return None if self.model.attn_implementation == "sdpa" else self.model.attn_implementation
+
     def loop_config(self) -> LoopConfig:
         """The loop config with the data loader settings filled in from ``data``."""
         return self.train.model_copy(
@@ -174,5 +282,6 @@ class TrainRecipe(Strict):
                 pin_memory=self.data.pin_memory,
                 prefetch_factor=self.data.prefetch_factor,
                 data_seed=self.data.seed,
+                attention=self.train.attention.model_copy(update=dict(backend=self._attention_backend())),
             )
         )

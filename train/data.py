@@ -15,23 +15,35 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 class PackedWindows(Dataset):
-    """Non-overlapping windows of ``seq_len + 1`` ids from a 1-D id tensor (inputs + shifted labels)."""
+    """Non-overlapping windows of ``seq_len + 1`` ids from a 1-D id tensor (inputs + shifted labels).
+
+    Windows are views of the one token stream (window ``i`` starts at ``i * seq_len``), so
+    re-windowing the same stream at another length (a length curriculum) copies nothing and
+    wastes no token on padding: only the stream's last ``< seq_len`` tokens go unused.
+    """
 
     def __init__(self, ids: torch.Tensor, seq_len: int):
         ids = torch.as_tensor(ids, dtype=torch.long)
+        self.seq_len = seq_len
         if ids.dim() == 2:  # already windowed by the caller
-            self.windows = ids
+            self.windows, self.stream, self.n = ids, None, ids.shape[0]
+            self.seq_len = ids.shape[1] - 1
         else:
-            n = (ids.numel() - 1) // seq_len
-            if n < 1:
+            self.windows, self.stream = None, ids.reshape(-1)
+            self.n = (ids.numel() - 1) // seq_len
+            if self.n < 1:
                 raise ValueError(f"{ids.numel()} tokens are too few for one window of {seq_len} + 1")
-            self.windows = torch.stack([ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
 
     def __len__(self) -> int:
-        return self.windows.shape[0]
+        return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.windows[i]
+        if self.windows is not None:
+            return self.windows[i]
+        if not -self.n <= i < self.n:
+            raise IndexError(f"window {i} of {self.n}")
+        i %= self.n
+        return self.stream[i * self.seq_len : i * self.seq_len + self.seq_len + 1]
 
 
 class ResumableBatchSampler(Sampler[list[int]]):

@@ -3,8 +3,10 @@
 Callers (the recipe runner, and the pipeline's ``distill`` and ``qat`` stages) pass a built
 ``nn.Module``, token ids and optionally their own loss, e.g. KL to a teacher:
 ``loss_fn(model, batch) -> scalar`` where ``batch`` has ``input_ids`` and shifted ``labels``.
-Everything else (precision, memory savers, LoRA, FSDP2, checkpoints, resume, export) comes
-from the typed :class:`~train.config.LoopConfig`.
+Everything else (precision, memory savers, LoRA, FSDP2, checkpoints, resume, export, the
+attention kernel and pattern, the chunked loss, the length curriculum) comes from the typed
+:class:`~train.config.LoopConfig`. Without ``loss_fn`` the loss is next-token cross-entropy,
+chunked through the output head (``train.chunked_loss``) unless ``loss.chunked`` is off.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from train import checkpoint as ckpt
+from train.attention import AttentionSetup, KernelRecorder, configure_attention, restore_attention
 from train.batching import MicroBatchPlan, is_oom
+from train.chunked_loss import check_head_matches_logits, chunked_lm_loss
 from train.config import LoopConfig
-from train.data import PackedWindows, ResumableBatchSampler, make_loader, split_micro
+from train.curriculum import LengthSchedule, StagedBatches
+from train.data import PackedWindows, split_micro
 from train.distributed import DistContext, all_reduce_max, all_reduce_mean, apply_fsdp, init_distributed, teardown
 from train.export_hf import export_pretrained
 from train.lora import apply_lora
@@ -60,6 +65,9 @@ class TrainResult:
     total_params: int
     checkpoints: list[Path] = field(default_factory=list)
     exported_to: Path | None = None
+    attention: dict = field(default_factory=dict)  # observed kernel and the pattern (AttentionSetup.report)
+    loss: str = ""
+    seq_lens: dict[int, int] = field(default_factory=dict)  # step -> window length (the curriculum)
 
 
 def _autocast(mode: str, device: torch.device, fsdp: bool):
@@ -90,10 +98,20 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
     return model
 
 
-def _as_dataset(data, seq_len: int) -> PackedWindows:
+def _full_length(data, seq_len: int) -> int:
+    """The longest window the run trains on (the context the attention pattern must fit in)."""
     if isinstance(data, PackedWindows):
-        return data
-    return PackedWindows(torch.as_tensor(data), seq_len)
+        return data.seq_len
+    data = torch.as_tensor(data)
+    return data.shape[1] - 1 if data.dim() == 2 else seq_len
+
+
+def _compute_dtype(model: nn.Module, cfg: LoopConfig) -> torch.dtype:
+    if cfg.precision.mode != "fp32":
+        return torch.bfloat16 if cfg.precision.mode == "bf16" else torch.float16
+    if cfg.distributed.fsdp and cfg.distributed.param_dtype == "bfloat16":
+        return torch.bfloat16
+    return torch.float32 if cfg.precision.master_weights_fp32 else next(model.parameters()).dtype
 
 
 def train(
@@ -115,16 +133,33 @@ def train(
     own_ctx = ctx is None
     ctx = ctx or init_distributed(cfg.device, cfg.distributed)
     try:
-        return _train(model, data, cfg, loss_fn or causal_lm_loss, seq_len, tokenizer, ctx)
+        return _train(model, data, cfg, loss_fn, seq_len, tokenizer, ctx)
     finally:
         if own_ctx:
             teardown(ctx)
 
 
-def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ctx: DistContext) -> TrainResult:
+def _default_loss(cfg: LoopConfig) -> tuple[LossFn, str]:
+    if cfg.loss.chunked:
+        return chunked_lm_loss(cfg.loss.chunk_size), f"cross-entropy, chunked ({cfg.loss.chunk_size} tokens per chunk)"
+    return causal_lm_loss, "cross-entropy, full fp32 logits"
+
+
+def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokenizer, ctx: DistContext) -> TrainResult:
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
     torch.manual_seed(cfg.seed)
+    full_len = _full_length(data, seq_len)
+    schedule = LengthSchedule(cfg.curriculum, full_len)
+    attn = configure_attention(model, cfg.attention, ctx.device, _compute_dtype(model, cfg), full_len)
+    check_head = loss_fn is None and cfg.loss.chunked
+    loss_name = "caller's loss"
+    if loss_fn is None:
+        loss_fn, loss_name = _default_loss(cfg)
+    if ctx.is_main:
+        log.info("loss: %s", loss_name)
+        if len(schedule) > 1:
+            log.info("length curriculum: %s", schedule.describe())
     model = prepare_model(model, cfg, ctx)
     reset_peak_memory(ctx.device)  # measure training, not the one-off load/quantize transient
     fsdp = cfg.distributed.fsdp
@@ -134,14 +169,17 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
     scaler = torch.amp.GradScaler(ctx.device.type) if cfg.precision.mode == "fp16" else None
     plan = MicroBatchPlan(cfg.batch)
 
-    dataset = _as_dataset(data, seq_len)
-    sampler = ResumableBatchSampler(len(dataset), cfg.batch.effective_per_rank, ctx.rank, ctx.world, cfg.data_seed)
+    loader_kwargs = dict(num_workers=cfg.data_workers, pin_memory=cfg.pin_memory, prefetch_factor=cfg.prefetch_factor)
+    staged = StagedBatches(
+        data, schedule, cfg.batch.effective_per_rank, rank=ctx.rank, world=ctx.world, seed=cfg.data_seed,
+        loader_kwargs=loader_kwargs,
+    )
     start_step, resumed_from = 0, None
     latest = ckpt.latest_checkpoint(ckpt_root) if cfg.checkpoint.resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(latest, model, optimizer, skip_frozen=cfg.lora.enabled)
         start_step, resumed_from = int(state["step"]), latest
-        sampler.load_state_dict(state["data"])
+        staged.load_state_dict(state["data"], start_step)
         scheduler.load_state_dict(state["scheduler"])
         plan.load_state_dict(state["batch"])
         if scaler is not None and state.get("scaler"):
@@ -149,22 +187,15 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
         if ctx.is_main:
             log.info("resumed from %s at step %d", latest, start_step)
 
-    loader = make_loader(
-        dataset,
-        sampler,
-        num_workers=cfg.data_workers,
-        pin_memory=cfg.pin_memory,
-        prefetch_factor=cfg.prefetch_factor,
-    )
-    batches = iter(loader)
     metrics = MetricsLogger(cfg.logging, out_dir, cfg.max_steps, start_step, ctx.is_main)
     losses: dict[int, float] = {}
+    seq_lens: dict[int, int] = {}
     saved: list[Path] = []
     tokens_total, train_time = 0, 0.0
 
     def trainer_state() -> dict:
         return {
-            "data": sampler.state_dict(),
+            "data": staged.state_dict(),
             "scheduler": scheduler.state_dict(),
             "batch": plan.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -173,10 +204,15 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
     try:
         for step in range(start_step, cfg.max_steps):
             t0 = time.perf_counter()
-            batch = next(batches)
-            sampler.position = step + 1
+            batch = staged.next_batch(step)
             batch = {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
-            loss = _optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp)
+            if step == start_step and check_head:
+                with attn.context():
+                    check_head_matches_logits(model, batch["input_ids"])
+            record = staged.seq_len not in attn.by_length  # first step at this length: watch the kernels
+            loss = _optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record)
+            if record and ctx.is_main:
+                log.info("%s", attn.describe(staged.seq_len))
             grad_norm = loss.pop("grad_norm")
             scheduler.step()
             step_loss = all_reduce_mean(loss["loss"], ctx)
@@ -185,6 +221,7 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
             step_tokens = batch["input_ids"].numel() * ctx.world
             tokens_total += step_tokens
             losses[step + 1] = step_loss
+            seq_lens[step + 1] = staged.seq_len
             row = dict(
                 step=step + 1,
                 loss=step_loss,
@@ -194,6 +231,7 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
                 peak_mem_mib=peak_memory_mib(ctx.device),
                 micro_batch_size=plan.micro,
                 grad_accum_steps=plan.accum,
+                seq_len=staged.seq_len,
             )
             metrics.log(row)
             done = step + 1
@@ -211,7 +249,8 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
             )
     finally:
         metrics.close()
-        del batches  # stop loader workers promptly
+        staged.close()  # stop loader workers promptly
+        restore_attention(model, attn)  # the pattern was a training-time choice; export the model's own
 
     exported = None
     if cfg.checkpoint.export_hf:
@@ -233,11 +272,28 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn, seq_len, tokenizer, ct
         total_params=sum(p.numel() for p in model.parameters()),
         checkpoints=saved,
         exported_to=exported,
+        attention=attn.report(),
+        loss=loss_name,
+        seq_lens=seq_lens,
     )
 
 
-def _optimizer_step(model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, plan, ctx, fsdp) -> dict:
-    """Accumulate gradients over micro-batches (retrying smaller on OOM if dynamic), clip, step."""
+def _forward(model, mb, loss_fn, attn: AttentionSetup, record: bool):
+    """The loss of one micro-batch; ``record`` watches it for the attention kernels that run."""
+    if not record:
+        return loss_fn(model, mb)
+    with KernelRecorder() as rec:
+        loss = loss_fn(model, mb)
+    attn.observe(mb["input_ids"].shape[1], rec.observed())
+    return loss
+
+
+def _optimizer_step(
+    model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn: AttentionSetup, record: bool
+) -> dict:
+    """Accumulate gradients over micro-batches (retrying smaller on OOM if dynamic), clip, step.
+
+    The SDPA kernel choice covers backward too: activation checkpointing recomputes attention there."""
     total_tokens = batch["labels"].numel()
     while True:
         try:
@@ -246,12 +302,13 @@ def _optimizer_step(model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, p
             for i, mb in enumerate(micros):
                 if fsdp:  # reduce-scatter gradients only on the last micro-batch
                     model.set_requires_gradient_sync(i == len(micros) - 1)
-                with _autocast(cfg.precision.mode, ctx.device, fsdp), activation_offload_context(
-                    cfg.memory.activation_offload, ctx.device
-                ):
-                    loss = loss_fn(model, mb)
-                weighted = loss * (mb["labels"].numel() / total_tokens)
-                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+                with attn.context():
+                    with _autocast(cfg.precision.mode, ctx.device, fsdp), activation_offload_context(
+                        cfg.memory.activation_offload, ctx.device
+                    ):
+                        loss = _forward(model, mb, loss_fn, attn, record and i == 0)
+                    weighted = loss * (mb["labels"].numel() / total_tokens)
+                    (scaler.scale(weighted) if scaler is not None else weighted).backward()
                 loss_sum += float(weighted.detach())
             break
         except Exception as exc:

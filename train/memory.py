@@ -18,21 +18,13 @@ from train.config import MemoryConfig
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a causal LM: HF ``_no_split_modules`` classes, else the largest ModuleList."""
-    inner = model
-    for _ in range(4):  # unwrap peft / FSDP-style wrappers that keep the HF model one level down
-        names = getattr(inner, "_no_split_modules", None)
-        if names:
-            blocks = [m for m in model.modules() if type(m).__name__ in set(names)]
-            if blocks:
-                return blocks
-        inner = getattr(inner, "model", None) or getattr(inner, "base_model", None)
-        if inner is None:
-            break
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    """The repeated blocks of a causal LM (see :func:`train.model_parts.decoder_blocks`)."""
+    from train.model_parts import decoder_blocks
+
+    blocks = [m for _, m in decoder_blocks(model)]
+    if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks to checkpoint or shard")
-    return list(max(lists, key=len))
+    return blocks
 
 
 _SAVE_OPS = {

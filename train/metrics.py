@@ -12,7 +12,9 @@ from train.config import LoggingConfig
 
 log = logging.getLogger("optimize.train")
 
-FIELDS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib", "micro_batch_size", "grad_accum_steps"]
+FIELDS = [
+    "step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib", "micro_batch_size", "grad_accum_steps", "seq_len"
+]
 
 
 class MetricsLogger:

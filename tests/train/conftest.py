@@ -12,23 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import TINY_CONFIGS  # the shared tiny configs (one definition)
+
 REPO = Path(__file__).resolve().parents[2]
 
-TINY_MODEL = dict(
-    source="random",
-    seed=0,
-    config=dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    ),
-)
+TINY_MODEL = dict(source="random", seed=0, config=dict(TINY_CONFIGS["llama"]))
 
 
 def tiny_recipe(output_dir: Path, **train_overrides) -> dict:
@@ -94,6 +82,17 @@ def popen_train(recipe: Path, overrides=()) -> subprocess.Popen:
 def train_ids(pydoc_splits):
     """Real text ids (pydoc after the evaluation span) for in-process loop tests."""
     return pydoc_splits.train_ids[:20000]
+
+
+@pytest.fixture(scope="session")
+def long_sequences_run(tmp_path_factory):
+    """examples/train/long_sequences.yaml run once as it is (only the output directory moved):
+    the recipe test checks its report, the mid-curriculum kill test compares against its losses."""
+    import json
+
+    out = tmp_path_factory.mktemp("long_sequences") / "run"
+    proc = run_train(REPO / "examples/train/long_sequences.yaml", [f"train.output_dir={out}"])
+    return json.loads(proc.stdout), proc.stderr, out
 
 
 @pytest.fixture(scope="session")
