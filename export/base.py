@@ -76,11 +76,16 @@ class Exporter(abc.ABC):
         work is refused before minutes of stages. Each problem is one sentence; [] = fine."""
         return []
 
+    def artifact_in(self, directory: Path) -> Path | None:
+        """What :meth:`load` loads for an export directory (e.g. onnxruntime-genai's), or None."""
+        return None
+
 
 # name -> "module:Class", imported on first use so that importing ``export`` stays cheap.
 _EXPORTERS: dict[str, str] = {
     "executorch": "export.executorch:ExecuTorchExporter",
     "onnxruntime": "export.onnxruntime:OnnxRuntimeExporter",
+    "torchchat": "export.torchchat:TorchChatExporter",
 }
 
 
@@ -98,7 +103,14 @@ def get_exporter(name: str) -> Exporter:
 
 
 def exporter_for_artifact(path: Path) -> Exporter:
-    """Pick the exporter whose runner loads ``path``, by file suffix."""
+    """Pick the exporter whose runner loads ``path``: by file suffix, or for a directory the
+    exporter that recognises it (:meth:`Exporter.artifact_in`)."""
+    if Path(path).is_dir():
+        for name in exporter_names():
+            exp = get_exporter(name)
+            if exp.artifact_in(Path(path)) is not None:
+                return exp
+        raise ExportError(f"no runtime loads the directory {path}; give the artifact file (.pte, .onnx...)")
     suffix = Path(path).suffix
     for name in exporter_names():
         exp = get_exporter(name)

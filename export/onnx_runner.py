@@ -1,6 +1,7 @@
 """The ONNX Runtime :class:`Runner`: one CPU session serves prefill and decode by feeding each
 call's ``present.*`` back as the next call's ``past_key_values.*``. It loads any graph with
-that signature (ours, or optimum-onnx's ``text-generation-with-past``)."""
+that signature: ours (the fused onnxruntime-genai-style graph, which takes no ``position_ids``,
+or the torch.onnx one), or optimum-onnx's ``text-generation-with-past``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,32 @@ def onnx_files(path: Path) -> list[Path]:
     model = onnx.load(str(path), load_external_data=False)
     locs = sorted({e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"})
     return [Path(path)] + [Path(path).parent / loc for loc in locs]
+
+
+def _past_dims(name: str, shape: list, hint: dict) -> tuple:
+    """(kv_heads, head_dim) of one past input: from the graph, or where the graph leaves them
+    symbolic (the model builder names head_dim ``kv_cache_dim``) from ``hint``: the manifest's
+    ``kv_cache`` or the ``genai_config.json`` beside the model."""
+    heads, dim = shape[1], shape[3]
+    try:
+        layer = int(name.split(".")[1])
+        heads = heads if isinstance(heads, int) else hint["kv_heads"][layer]
+        dim = dim if isinstance(dim, int) else hint["head_dim"][layer]
+    except (KeyError, IndexError, ValueError, TypeError):
+        pass
+    return heads, dim
+
+
+def _layout_hint(path: Path, manifest: dict) -> dict:
+    if manifest.get("kv_cache"):
+        return manifest["kv_cache"]
+    genai = path.parent / "genai_config.json"
+    try:
+        dec = json.loads(genai.read_text())["model"]["decoder"]
+        n = int(dec["num_hidden_layers"])
+        return {"kv_heads": [int(dec["num_key_value_heads"])] * n, "head_dim": [int(dec["head_size"])] * n}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 class OnnxRuntimeRunner(Runner):
@@ -67,13 +94,16 @@ class OnnxRuntimeRunner(Runner):
         except Exception as exc:
             raise RunnerError(f"ONNX Runtime could not load {self.path}: {type(exc).__name__}: {exc}") from None
         inputs = {i.name: i for i in self.session.get_inputs()}
-        missing = {"input_ids", "attention_mask", "position_ids"} - set(inputs)
+        missing = {"input_ids", "attention_mask"} - set(inputs)
         if missing:
             raise RunnerError(f"{self.path} is not a KV-cache LM export: missing inputs {sorted(missing)}")
+        self._position_ids = "position_ids" in inputs
         self._past_names = [n for n in inputs if n.startswith("past_key_values.")]
-        dims = {n: (inputs[n].shape[1], inputs[n].shape[3]) for n in self._past_names}
+        hint = _layout_hint(self.path, manifest)
+        dims = {n: _past_dims(n, inputs[n].shape, hint) for n in self._past_names}
         if any(not isinstance(v, int) for hd in dims.values() for v in hd):
-            raise RunnerError(f"{self.path}: past_key_values heads/head_dim must be static in the graph")
+            raise RunnerError(f"{self.path}: past_key_values heads/head_dim are not static in the graph and no "
+                              f"manifest beside it gives them")
         self._empty = {n: np.zeros((1, dims[n][0], 0, dims[n][1]), dtype=np.float32) for n in self._past_names}
         self._out_names = [o.name for o in self.session.get_outputs()]
         self.max_seq_len = manifest.get("max_seq_len") if max_seq_len == "manifest" else max_seq_len
@@ -94,9 +124,10 @@ class OnnxRuntimeRunner(Runner):
         feeds = {
             "input_ids": ids.numpy().reshape(1, t),
             "attention_mask": np.ones((1, self._pos + t), dtype=np.int64),
-            "position_ids": np.arange(self._pos, self._pos + t, dtype=np.int64).reshape(1, t),
             **self._past,
         }
+        if self._position_ids:
+            feeds["position_ids"] = np.arange(self._pos, self._pos + t, dtype=np.int64).reshape(1, t)
         try:
             outs = self.session.run(self._out_names, feeds)
         except Exception as exc:

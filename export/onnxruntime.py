@@ -1,42 +1,74 @@
-"""ONNX Runtime target: a decoder-only LM exported with a KV cache, optionally INT8, run on CPU.
+"""ONNX Runtime target: a decoder-only LM exported with a KV cache, int4/int8 or fp32, run on CPU.
 
-Route: ``torch.onnx.export(dynamo=True)`` (torch.export + onnxscript) on a thin wrapper whose
-inputs are flat tensors (``input_ids``, ``attention_mask``, ``position_ids``,
-``past_key_values.N.key/value``) and whose outputs are ``logits`` and ``present.N.key/value``.
-The wrapper rebuilds a ``DynamicCache`` from the past tensors, so the model's own HF code runs
-unchanged and one graph serves prefill (empty past) and decode (past from the previous call).
-INT8 is ORT's own quantizer applied to that graph (see :mod:`export.onnx_quant`).
+Two graphs (``graph`` option):
+
+- ``fused`` (default for the families onnxruntime-genai's model builder builds): the builder's
+  graph of ORT's fused contrib ops (``GroupQueryAttention`` with rotary embedding,
+  ``SkipSimplifiedLayerNormalization``, packed QKV), with the weights our stages chose installed
+  exactly as ``MatMulNBits`` / per-token ``MatMulInteger`` / ``GatherBlockQuantized`` (see
+  :mod:`export.ort_fused`), packaged with ``genai_config.json`` so ``onnxruntime_genai`` runs
+  the directory as well as a plain ``InferenceSession``;
+- ``dynamo``: ``torch.onnx.export(dynamo=True)`` on a thin wrapper whose inputs are flat tensors
+  (``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.N.key/value``); the
+  wrapper rebuilds a ``DynamicCache`` so the model's own HF code runs unchanged. It serves the
+  families the builder does not (GPT-2, OPT, GPT-NeoX) and ORT's own dynamic / static QDQ
+  quantizer (see :mod:`export.onnx_quant`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Literal, Sequence
 
 import torch
 from pydantic import Field, model_validator
 
-from targets.atomic import atomic_write_json, sha256_file
+from targets.atomic import sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
+from export.onnx_dynamo import calibration_windows as _calibration, io_names as _io_names, quantize_graph as _quantize
+from export.onnx_dynamo import torch_export as _torch_export
+from export.onnx_package import _ship, _versions, check_onnx
 from export.onnx_runner import MANIFEST, OnnxRuntimeRunner, onnx_files
+from export.ort_genai_builder import FUSED_ARCHITECTURES, builder_problems
 from export.runtime import EagerRunner, Runner
 
 __all__ = ["OnnxRuntimeExporter", "OnnxRuntimeOptions", "OnnxRuntimeRunner", "check_onnx", "SUPPORTED_MODEL_TYPES"]
 
-#: model types whose HF code exports with a DynamicCache and was verified against eager here
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "opt", "gpt_neox")
+#: model types whose HF code exports with a DynamicCache through torch.onnx, verified against eager here
+DYNAMO_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "opt", "gpt_neox")
+#: model types the fused graph (onnxruntime-genai's model builder) is built and verified for
+FUSED_MODEL_TYPES = tuple(FUSED_ARCHITECTURES)
+SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(FUSED_MODEL_TYPES + DYNAMO_MODEL_TYPES))
 MODEL_FILE = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
 #: auto external data above this many bytes of weights (protobuf's hard limit is 2 GiB)
 EXTERNAL_DATA_AUTO_BYTES = 256 << 20
 
 
 class OnnxRuntimeOptions(ExportOptions):
-    opset: int = Field(18, ge=18, le=23, description="ONNX opset (18..23)")
+    graph: Literal["auto", "fused", "dynamo"] = Field(
+        "auto",
+        description="fused: onnxruntime-genai's model builder graph (GroupQueryAttention, SkipSimplifiedLayerNormalization, "
+        f"MatMulNBits; runs in onnxruntime-genai too; {', '.join(FUSED_MODEL_TYPES)}); dynamo: torch.onnx.export of the HF "
+        "code (any of " + ", ".join(DYNAMO_MODEL_TYPES) + "; needed for quantize: dynamic / static); auto: fused where it "
+        "can, else dynamo",
+    )
+    accuracy_level: Literal[1, 4] = Field(
+        4, description="MatMulNBits compute: 4 = activations quantized to int8 per block at run time (fast), "
+        "1 = fp32 activations against the n-bit weights (exact against the weights, slower)",
+    )
+    int8_kernel: Literal["per_token", "nbits"] = Field(
+        "per_token", description="fused graph, int8 per-channel weights: per_token = MatMulInteger with one activation "
+        "scale per token (the 8da8w arithmetic; fast prefill), nbits = MatMulNBits 8-bit (activations per "
+        "accuracy_level). A tied lm_head always takes nbits: its table then also serves the embedding",
+    )
+    decode_branch: bool = Field(
+        True, description="fused graph, per_token int8 Linears: one-token calls take a branch running each as one "
+        "DynamicQuantizeMatMul (for one token the same arithmetic as the per-token chain, one op instead of ~18)",
+    )
+    opset: int = Field(18, ge=18, le=23, description="ONNX opset of the dynamo graph (18..23)")
     external_data: Literal["auto", "always", "never"] = Field(
         "auto", description="weights in model.onnx.data; auto = when weights exceed 256 MiB"
     )
@@ -67,6 +99,9 @@ class OnnxRuntimeOptions(ExportOptions):
 
     @model_validator(mode="after")
     def _per_token_options(self) -> "OnnxRuntimeOptions":
+        if self.graph == "fused" and self.quantize in ("dynamic", "static"):
+            raise ValueError(f"quantize: {self.quantize} is ORT's QDQ quantizer, which runs on the dynamo graph; "
+                             "use graph: dynamo (or auto), or quantize: dynamic_per_token on the fused graph")
         if self.quantize == "dynamic_per_token":
             if not self.per_channel:
                 raise ValueError("quantize: dynamic_per_token always uses per-channel weight scales; drop per_channel: false")
@@ -75,32 +110,6 @@ class OnnxRuntimeOptions(ExportOptions):
         if self.quantize != "static" and "calibrate_method" in self.model_fields_set:
             raise ValueError(f"calibrate_method applies only to quantize: static (got quantize: {self.quantize})")
         return self
-
-
-def _versions() -> dict[str, str]:
-    import onnx
-    import onnxruntime
-    import onnxscript
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "onnx": onnx.__version__,
-        "onnxscript": onnxscript.__version__,
-        "onnxruntime": onnxruntime.__version__,
-    }
-
-
-def check_onnx(path: Path) -> None:
-    """``onnx.checker`` on the path (so external data is followed); failure never ships."""
-    import onnx
-
-    try:
-        onnx.checker.check_model(str(path))
-    except Exception as exc:  # ValidationError, or a load error for a broken file
-        raise ExportError(f"ONNX checker rejected {Path(path).name}: {exc}") from None
 
 
 def _kv_layout(model: torch.nn.Module) -> list[tuple[int, int]]:
@@ -113,84 +122,39 @@ def _kv_layout(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(int(l.keys.shape[1]), int(l.keys.shape[3])) for l in out.past_key_values.layers]
 
 
-class _KVWrapper(torch.nn.Module):
-    """Flat tensors in, flat tensors out: the signature ONNX consumers (and optimum) expect."""
-
-    def __init__(self, model: torch.nn.Module, n_layers: int):
-        super().__init__()
-        self.model, self.n_layers = model, n_layers
-
-    def forward(self, input_ids, attention_mask, position_ids, *past):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        for i in range(self.n_layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
-        present = []
-        for layer in out.past_key_values.layers:
-            present += [layer.keys, layer.values]
-        return (out.logits, *present)
-
-
-def _io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    kv = [(i, k) for i in range(n_layers) for k in ("key", "value")]
-    return (["input_ids", "attention_mask", "position_ids"] + [f"past_key_values.{i}.{k}" for i, k in kv],
-            ["logits"] + [f"present.{i}.{k}" for i, k in kv])
-
-
-def _torch_export(model: torch.nn.Module, layout: list[tuple[int, int]], path: Path, opset: int, external: bool,
-                  optimize: bool = True) -> None:
-    """Trace with dynamic batch, sequence and past axes; a real past (3 tokens) avoids 0/1
-    specialization, and ORT accepts an empty past at run time for prefill."""
-    from torch.export import Dim
-    from transformers import DynamicCache
-
-    n = len(layout)
-    b, s, p, tot = Dim("batch"), Dim("seq"), Dim("past_seq"), Dim("total_seq")
-    with torch.no_grad():
-        pre = model(input_ids=torch.arange(6, dtype=torch.long).reshape(2, 3) + 1,
-                    past_key_values=DynamicCache(config=model.config), use_cache=True).past_key_values
-    past = [t.contiguous() for l in pre.layers for t in (l.keys, l.values)]
-    ids = torch.arange(10, dtype=torch.long).reshape(2, 5) + 7
-    args = (ids, torch.ones(2, 8, dtype=torch.long), torch.arange(3, 8).expand(2, 5).contiguous(), *past)
-    shapes = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: tot}, "position_ids": {0: b, 1: s},
-              "past": tuple({0: b, 2: p} for _ in past)}
-    names_in, names_out = _io_names(n)
-    with torch.no_grad():
-        prog = torch.onnx.export(_KVWrapper(model, n), args, dynamo=True, dynamic_shapes=shapes, opset_version=opset,
-                                 input_names=names_in, output_names=names_out, optimize=optimize, verbose=False)
-    prog.save(str(path), external_data=external)
-
-
 class OnnxRuntimeExporter(Exporter):
     name = "onnxruntime"
     options_model = OnnxRuntimeOptions
     suffixes = (".onnx",)
 
+    def check_model(self, config, options) -> list[str]:
+        """Why the graph the options and the model's config lead to cannot be built ([] = it can)."""
+        return _resolve_graph(config, _options(options))[1]
+
     def export(self, model, tokenizer, out_dir, options=None, *, calibration: Sequence[torch.Tensor] = (), log=print):
         opts = _options(options)
         config = getattr(model, "config", None)
         mtype = getattr(config, "model_type", None)
-        if mtype not in SUPPORTED_MODEL_TYPES:
-            raise ExportError(f"onnxruntime exporter does not support model_type {mtype!r}; "
-                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise ExportError(f"onnxruntime exporter: {mtype} with sliding-window attention layers is not supported "
-                              "(its cache is not a plain growing KV cache); disable sliding_window in the config")
+        graph, problems = _resolve_graph(config, opts)
+        if problems:
+            raise ExportError("onnxruntime exporter: " + " ".join(problems))
         dtype = next(model.parameters()).dtype
         if dtype != torch.float32:
             raise ExportError(f"onnxruntime exporter needs a float32 model, got {dtype}; load it with dtype: float32 "
                               "(INT8 comes from the exporter's `quantize` option)")
+        quantized = _quantized_modules(model)
+        if graph == "dynamo" and quantized:
+            raise ExportError(f"onnxruntime exporter: {len(quantized)} Linear(s) hold torchao quantized weights "
+                              f"(e.g. {quantized[0]}); only the fused graph carries them (graph: fused)")
         calib = _calibration(opts, calibration)
         model = model.eval()
         layout = _kv_layout(model)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        external = opts.external_data == "always" or (opts.external_data == "auto" and weight_bytes > EXTERNAL_DATA_AUTO_BYTES)
+        external = graph == "fused" or opts.external_data == "always" or (
+            opts.external_data == "auto" and weight_bytes > EXTERNAL_DATA_AUTO_BYTES)
         max_seq = opts.max_seq_len or getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
-        def build(stage: Path, work: Path) -> dict:
+        def build_dynamo(stage: Path, work: Path) -> dict:
             log(f"onnxruntime: exporting {mtype} ({weight_bytes / 2**20:.0f} MiB fp32, {len(layout)} layers) "
                 f"with torch.onnx dynamo, opset {opts.opset}")
             fp32_path = (work if opts.quantize != "none" else stage) / MODEL_FILE
@@ -204,9 +168,40 @@ class OnnxRuntimeExporter(Exporter):
             tokenizer.save_pretrained(str(stage))
             config.save_pretrained(str(stage))
             smoke = _smoke_check(EagerRunner(model), stage / MODEL_FILE, exact=opts.quantize == "none")
-            return self._manifest(stage, opts, mtype, layout, max_seq, quant, smoke, external)
+            manifest = self._manifest(stage, opts, mtype, layout, max_seq, quant, smoke, external)
+            manifest["graph"] = "dynamo"
+            return manifest
 
-        return _ship(Path(out_dir), build, log)
+        def build_fused(stage: Path, work: Path) -> dict:
+            from export.onnx_fused_export import build_fused as fused, genai_smoke
+
+            log(f"onnxruntime: exporting {mtype} ({len(layout)} layers) as the fused graph"
+                + (f" ({len(quantized)} quantized Linears)" if quantized else ""))
+            info = fused(model, tokenizer, opts, stage, work, max_seq, log)
+            check_onnx(stage / MODEL_FILE)
+            config.save_pretrained(str(stage))
+            exact = not quantized and opts.quantize == "none"
+            smoke = _smoke_check(EagerRunner(model), stage / MODEL_FILE, exact=exact)
+            smoke["genai_greedy"] = genai_smoke(stage, EagerRunner(model), _SMOKE_IDS, 8)
+            quant = {"mode": opts.quantize, "eager_quantized_linears": len(quantized), **info["installed"],
+                     "linear_schemes": info["linear_schemes"], "accuracy_level": opts.accuracy_level}
+            manifest = self._manifest(stage, opts, mtype, layout, max_seq, quant, smoke, True)
+            manifest.update(graph="fused", genai_config=GENAI_CONFIG, builder=info["builder"], ops=info["ops"],
+                            build_timings_s=info["timings_s"])
+            if "decode_ops" in info:
+                manifest["decode_ops"] = info["decode_ops"]
+            return manifest
+
+        result = _ship(Path(out_dir), build_fused if graph == "fused" else build_dynamo, log)
+        if graph == "fused":
+            result.details.update(graph="fused", ops=result.manifest["ops"],
+                                  genai_greedy=result.manifest["smoke_check"]["genai_greedy"])
+            result.extra_artifacts["genai"] = Path(out_dir) / GENAI_CONFIG
+            result.extra_details["genai"] = {"runtime": "onnxruntime-genai", "graph": "fused",
+                                             "note": "the same model.onnx, run by onnxruntime_genai.Model/Generator"}
+        else:
+            result.details["graph"] = "dynamo"
+        return result
 
     def quantize_export(self, fp32_artifact, out_dir, options=None, *, calibration: Sequence[torch.Tensor] = (),
                         log=print) -> ExportResult:
@@ -220,7 +215,10 @@ class OnnxRuntimeExporter(Exporter):
             base = json.loads((src.parent / MANIFEST).read_text())
         except (OSError, ValueError) as exc:
             raise ExportError(f"quantize_export needs the manifest of an fp32 export beside {src}: {exc}") from None
-        if base.get("quantization", {}).get("mode") != "none":
+        if base.get("graph", "dynamo") != "dynamo":
+            raise ExportError(f"quantize_export runs ORT's quantizer on a dynamo export; {src} is the {base['graph']} "
+                              "graph (export with graph: dynamo, or use quantize: dynamic_per_token in export)")
+        if base.get("quantization", {}).get("mode") != "none" or base["quantization"].get("eager_quantized_linears"):
             raise ExportError(f"{src} is already quantized ({base['quantization'].get('mode')}); start from an fp32 export")
         calib = _calibration(opts, calibration)
         kv = base["kv_cache"]
@@ -235,9 +233,12 @@ class OnnxRuntimeExporter(Exporter):
             manifest = self._manifest(stage, opts.model_copy(update={"opset": base["opset"]}), base["model_type"], layout,
                                       opts.max_seq_len or base["max_seq_len"], quant, smoke, base["external_data"])
             manifest["source"] = {"artifact": str(src), "sha256": base["files"][src.name]["sha256"]}
+            manifest["graph"] = "dynamo"
             return manifest
 
-        return _ship(Path(out_dir), build, log)
+        result = _ship(Path(out_dir), build, log)
+        result.details["graph"] = "dynamo"
+        return result
 
     @staticmethod
     def _manifest(stage: Path, opts: OnnxRuntimeOptions, mtype: str, layout, max_seq, quant, smoke, external) -> dict:
@@ -265,84 +266,106 @@ class OnnxRuntimeExporter(Exporter):
             "files": files,
         }
 
-    def load(self, artifact, **kwargs) -> "OnnxRuntimeRunner":
-        return OnnxRuntimeRunner(Path(artifact), **kwargs)
+    def load(self, artifact, **kwargs) -> Runner:
+        """``model.onnx`` -> a plain ``InferenceSession`` runner; ``genai_config.json`` or an export
+        directory holding one -> the onnxruntime-genai runner (what apps run)."""
+        path = Path(artifact)
+        if path.is_dir() or path.name == GENAI_CONFIG:
+            from export.onnx_genai_runner import GenaiRunner
+
+            directory = path if path.is_dir() else path.parent
+            if not (directory / GENAI_CONFIG).is_file() and (directory / MODEL_FILE).is_file():
+                return OnnxRuntimeRunner(directory / MODEL_FILE, **kwargs)
+            return GenaiRunner(directory, **{k: v for k, v in kwargs.items() if k in ("max_seq_len", "intra_op_threads")})
+        return OnnxRuntimeRunner(path, **kwargs)
+
+    def artifact_in(self, directory: Path) -> Path | None:
+        """The artifact ``optimize run <dir>`` loads from an export directory."""
+        directory = Path(directory)
+        if (directory / GENAI_CONFIG).is_file() or (directory / MODEL_FILE).is_file():
+            return directory
+        return None
+
+
+def _sliding(config) -> bool:
+    return bool("sliding_attention" in (getattr(config, "layer_types", None) or ())
+                or (getattr(config, "model_type", None) in ("mistral", "phi3") and getattr(config, "sliding_window", None)))
+
+
+def _resolve_graph(config, opts: OnnxRuntimeOptions) -> tuple[str, list[str]]:
+    """(graph that will be built, problems): one sentence per problem, naming what would work."""
+    mtype = getattr(config, "model_type", None)
+    if mtype not in SUPPORTED_MODEL_TYPES:
+        return "fused", [f"model_type {mtype!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (fused graph: {', '.join(FUSED_MODEL_TYPES)}; "
+                         f"dynamo graph: {', '.join(DYNAMO_MODEL_TYPES)})"]
+    fused = builder_problems(config)
+    dynamo = []
+    if mtype not in DYNAMO_MODEL_TYPES:
+        dynamo.append(f"model_type {mtype!r} has no dynamo graph (supported: {', '.join(DYNAMO_MODEL_TYPES)}); "
+                      "use graph: fused")
+    elif _sliding(config):
+        dynamo.append(f"{mtype} with sliding-window attention needs the fused graph (GroupQueryAttention's local "
+                      "window); the dynamo graph's cache does not slide")
+    if opts.graph == "fused":
+        return "fused", fused + _fused_option_problems(opts)
+    if opts.graph == "dynamo":
+        return "dynamo", dynamo + _dynamo_option_problems(opts)
+    # auto: QDQ quantizers and families without a fused graph take dynamo; the rest fused
+    if opts.quantize in ("dynamic", "static") or mtype not in FUSED_MODEL_TYPES:
+        hint = ([f"quantize: dynamic_per_token runs on the fused graph instead of {opts.quantize}"]
+                if dynamo and mtype in FUSED_MODEL_TYPES and not fused else [])
+        return "dynamo", dynamo + hint + _dynamo_option_problems(opts)
+    if fused and not dynamo:
+        fused = [p + " (graph: dynamo exports it, without torchao-quantized Linears)" for p in fused]
+    return "fused", fused + _fused_option_problems(opts)
+
+
+#: options only one graph reads: given for the other, they would be silently ignored
+_DYNAMO_ONLY = ("opset", "optimize_graph", "reduce_range", "calibrate_method", "calibration_windows")
+_FUSED_ONLY = ("accuracy_level", "int8_kernel", "decode_branch")
+
+
+def _fused_option_problems(opts: OnnxRuntimeOptions) -> list[str]:
+    problems = []
+    if opts.nodes_to_exclude:
+        problems.append("nodes_to_exclude names nodes of the dynamo graph; on the fused graph use exclude_modules "
+                        "(Hugging Face module patterns, e.g. '*.mlp.down_proj')")
+    given = [k for k in _DYNAMO_ONLY if k in opts.model_fields_set]
+    if given:
+        problems.append(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only to the dynamo graph, and "
+                        "this export builds the fused one; drop it, or set graph: dynamo")
+    if opts.external_data == "never":
+        problems.append("external_data: never is not possible on the fused graph (its weights always go to "
+                        "model.onnx.data, as onnxruntime-genai expects); drop it, or set graph: dynamo")
+    return problems
+
+
+def _dynamo_option_problems(opts: OnnxRuntimeOptions) -> list[str]:
+    given = [k for k in _FUSED_ONLY if k in opts.model_fields_set]
+    if given:
+        return [f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only to the fused graph, and this "
+                "export builds the dynamo one; drop it, or set graph: fused"]
+    return []
+
+
+def _quantized_modules(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and type(m.weight) not in (torch.Tensor, torch.nn.Parameter)]
 
 
 def _options(options) -> OnnxRuntimeOptions:
     return options if isinstance(options, OnnxRuntimeOptions) else OnnxRuntimeOptions.model_validate(dict(options or {}))
 
 
-def _calibration(opts: OnnxRuntimeOptions, calibration: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if opts.quantize == "static" and not calibration:
-        raise ExportError("quantize: static needs calibration windows (real text token ids); got none")
-    return [torch.as_tensor(w, dtype=torch.long).reshape(-1) for w in calibration][: opts.calibration_windows]
-
-
-def _quantize(src: Path, dst: Path, opts: OnnxRuntimeOptions, calib, layout, external: bool, work: Path, log) -> dict:
-    if opts.quantize == "none":
-        return {"mode": "none"}
-    from export import onnx_quant
-
-    log(f"onnxruntime: quantizing ({opts.quantize}"
-        + (f", {opts.calibrate_method} on {len(calib)} windows" if opts.quantize == "static" else "") + ")")
-    specs = {f"past_key_values.{i}.{k}": layout[i] for i in range(len(layout)) for k in ("key", "value")}
-    try:
-        quant = onnx_quant.quantize(
-            src, dst, mode=opts.quantize, per_channel=opts.per_channel, reduce_range=opts.reduce_range,
-            calibrate_method=opts.calibrate_method, quantize_lm_head=opts.quantize_lm_head,
-            quantize_embedding=opts.quantize_embedding, nodes_to_exclude=opts.nodes_to_exclude, exclude_modules=opts.exclude_modules, calibration=calib,
-            past_specs=specs, external_data=external, work_dir=work,
-        )
-    except Exception as exc:
-        raise ExportError(f"ONNX Runtime {opts.quantize} quantization failed: {type(exc).__name__}: {exc}") from exc
-    check_onnx(dst)
-    return quant
-
-
-def _ship(out_dir: Path, build, log) -> ExportResult:
-    """Build into a private temp dir inside ``out_dir``, then rename each file into place.
-
-    The manifest goes last (and an old one goes first), so a directory whose manifest verifies
-    is complete; a failed build leaves ``out_dir`` as it was.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".onnx-export.", dir=out_dir))
-    try:
-        stage, work = tmp / "ship", tmp / "work"
-        stage.mkdir()
-        work.mkdir()
-        manifest = build(stage, work)
-        atomic_write_json(stage / MANIFEST, manifest)
-        old = _old_files(out_dir)
-        (out_dir / MANIFEST).unlink(missing_ok=True)
-        for f in sorted(stage.iterdir(), key=lambda p: p.name == MANIFEST):
-            os.replace(f, out_dir / f.name)
-        for name in old - set(manifest["files"]) - {MANIFEST}:  # e.g. a stale model.onnx.data
-            (out_dir / name).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log(f"onnxruntime: wrote {out_dir / MODEL_FILE} ({manifest['size_bytes'] / 2**20:.1f} MiB)")
-    return ExportResult(artifact=out_dir / MODEL_FILE,
-                        files=[out_dir / name for name in manifest["files"]] + [out_dir / MANIFEST],
-                        manifest=manifest,
-                        details={"quantization": manifest["quantization"], "smoke": manifest["smoke_check"],
-                                 "external_data": manifest["external_data"], "toolchain": manifest["toolchain"]})
-
-
-def _old_files(out_dir: Path) -> set[str]:
-    """Files a previous export listed in ``out_dir``'s manifest (only those are ever removed)."""
-    try:
-        return {n for n in json.loads((out_dir / MANIFEST).read_text())["files"] if "/" not in n}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
+_SMOKE_IDS = torch.arange(1, 9, dtype=torch.long) * 37 % 1000
 
 
 def _smoke_check(ref: Runner, path: Path, *, exact: bool) -> dict:
     """Prefill 8 tokens then decode 1 in ORT against ``ref`` (eager, or the fp32 ONNX model): the
     decode path is the one a KV graph can silently break. fp32 must match; logits must be finite."""
     runner = OnnxRuntimeRunner(path, max_seq_len=None)
-    ids = torch.arange(1, 9, dtype=torch.long) * 37 % 1000
+    ids = _SMOKE_IDS
     got = [runner.forward(ids), runner.forward(torch.tensor([5]))]
     runner.close()
     if not all(torch.isfinite(g).all() for g in got):
