@@ -5,23 +5,29 @@ One config shape (:class:`FinetuneConfig`, the trainer's names) and one adapter 
 shared loop (:func:`train.loop.train`): :func:`train_in_place`, which every stage that trains
 goes through, so the stage contract holds for all of them: the model is trained in place,
 comes back in the mode and ``requires_grad`` state it arrived in, with no gradients, no
-checkpoints written and the HF ``use_cache`` flag restored.
+checkpoints left behind (a mid-stage resume checkpoint is deleted once training finishes) and
+the HF ``use_cache`` flag restored.
 Dropout is kept off (eval mode) while training: a few hundred steps of repair are not
 pre-training, and it keeps the run deterministic for a given seed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
+import shutil
 import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Literal
 
 import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from optimize.losses import distill_loss_fn
+from optimize.losses import DistillLoss
 from targets.config_base import Strict
 from train.config import (
     BatchConfig,
@@ -67,6 +73,19 @@ class FinetuneConfig(Strict):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="fp32 or bf16/fp16 autocast")
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="activation checkpointing/offload")
     progress: bool = Field(False, description="show the train loop's tqdm bar")
+    chunk_size: int | None = Field(
+        1024, ge=1, description="loss: distill: tokens per chunk of the KL/CE over the vocabulary "
+        "(train.chunked_loss: no full [tokens, vocab] logits, same value); null computes full logits"
+    )
+    checkpoint_every_n_steps: int = Field(
+        0, ge=0, description="inside a pipeline stage: save a resumable training checkpoint (model, optimizer, "
+        "data position) under the stage's work dir every n steps, so a killed run resumes mid-stage; 0 = off "
+        "(the pipeline still checkpoints after the stage)"
+    )
+    keep_sparsity: bool = Field(
+        True, description="weights an earlier prune stage (unstructured / semi_structured) zeroed stay zero: "
+        "their gradients are masked; false lets training refill them"
+    )
 
     @model_validator(mode="after")
     def _alpha_needs_distill(self):
@@ -138,20 +157,34 @@ def train_in_place(
     seed: int = 0,
     progress: bool = False,
     who: str = "train",
+    resume_dir: Path | None = None,
+    checkpoint_every: int = 0,
+    masks: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Train ``model`` in place with :func:`train.loop.train`; returns loss/tokens facts.
 
-    ``loss_fn=None`` is next-token cross-entropy. No checkpoint or export is written (the
-    pipeline owns artifacts); the loop's scratch directory is temporary."""
+    ``loss_fn=None`` is next-token cross-entropy. No export is written (the pipeline owns
+    artifacts). With ``resume_dir`` and ``checkpoint_every``, the loop checkpoints there every
+    n steps and resumes from the newest checkpoint it finds; the directory is deleted once
+    training finishes. Otherwise the loop's scratch directory is temporary. ``masks`` (by
+    parameter name) keep those weights' zeros: their gradients are masked, then re-applied."""
     from train.loop import train
 
     check_tokens(train_ids, seq_len, batch.effective_per_rank, who)
+    persistent = resume_dir is not None and checkpoint_every > 0
     config = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
     was_training = model.training
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="optimize-train-") as scratch:
+    params = dict(model.named_parameters())
+    masks = {n: m for n, m in (masks or {}).items() if n in params}
+    with contextlib.ExitStack() as stack:
+        if persistent:
+            Path(resume_dir).mkdir(parents=True, exist_ok=True)
+            scratch = str(resume_dir)
+        else:
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="optimize-train-"))
         loop = LoopConfig(
             output_dir=scratch,
             max_steps=steps,
@@ -164,15 +197,25 @@ def train_in_place(
             schedule=schedule,
             precision=precision or PrecisionConfig(),
             memory=memory or MemoryConfig(),
-            checkpoint=CheckpointConfig(resume=False, save_final=False, export_hf=False),
+            checkpoint=CheckpointConfig(every_n_steps=checkpoint_every if persistent else 0, keep_last=1,
+                                        resume=persistent, save_final=False, export_hf=False),
             logging=LoggingConfig(progress_bar=progress, csv=False),
         )
+        hooks = []
         try:
             with torch.inference_mode(False), torch.enable_grad():
                 for p in model.parameters():
                     p.requires_grad_(True)
+                for name, mask in masks.items():
+                    keep = mask.to(params[name].device, params[name].dtype)
+                    hooks.append(params[name].register_hook(lambda g, keep=keep: g * keep))
                 result = train(model, train_ids.long(), loop, _eval_mode(loss_fn or causal_lm_loss), seq_len=seq_len)
         finally:
+            for h in hooks:
+                h.remove()
+            with torch.no_grad():
+                for name, mask in masks.items():
+                    params[name].mul_(mask.to(params[name].device, params[name].dtype))
             _unwrap_checkpoints(model)
             for n, p in model.named_parameters():
                 p.requires_grad_(grads.get(n, True))
@@ -182,13 +225,19 @@ def train_in_place(
                 config.use_cache = use_cache
     if result.model is not model:
         raise FinetuneError(f"{who}: the training loop returned a different module (LoRA/FSDP are not used in stages)")
+    if persistent:
+        shutil.rmtree(resume_dir, ignore_errors=True)  # finished: the pipeline checkpoints the stage
     losses = [result.losses[k] for k in sorted(result.losses)]
     bad = [i for i, x in enumerate(losses) if not math.isfinite(x)]
     if bad:
         raise FinetuneError(f"{who} loss became {losses[bad[0]]} at step {bad[0]}; lower the learning rate")
     k = min(5, len(losses))
     stride = max(1, len(losses) // 50)
+    extra = {"resumed_at_step": result.start_step} if result.start_step else {}
+    if masks:
+        extra["sparse_weights_kept_zero"] = int(sum(int((~m).sum()) for m in masks.values()))
     return {
+        **extra,
         "steps": steps,
         "lr": optimizer.lr,
         "seq_len": seq_len,
@@ -202,6 +251,21 @@ def train_in_place(
     }
 
 
+def fingerprint(*modules: nn.Module | None) -> str:
+    """A cheap digest of parameter names, shapes and a strided sample of values: tells a
+    resumed stage whether a mid-stage checkpoint belongs to the model it starts from."""
+    h = hashlib.sha256()
+    for m in modules:
+        if m is None:
+            continue
+        for name, p in m.named_parameters():
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 64)][:64].float().cpu()
+            h.update(f"{name}{tuple(p.shape)}{str(p.dtype)}".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def finetune(
     model: nn.Module,
     cfg: FinetuneConfig,
@@ -212,35 +276,55 @@ def finetune(
     seed: int = 0,
     who: str = "finetune",
     log: Callable[[str], None] = print,
+    work_dir: Path | None = None,
 ) -> dict:
     """Fine-tune ``model`` in place as ``cfg`` says; returns JSON-serializable facts.
 
     ``loss: distill`` needs ``teacher``; ``loss_fn`` (``(model, batch) -> loss``) replaces the
-    loss ``cfg`` would build, for stages with losses of their own."""
-    if loss_fn is None:
-        if cfg.loss == "distill":
-            if teacher is None:
-                raise FinetuneError(f"{who}: loss 'distill' needs a teacher model")
-            teacher.eval()
-            loss_fn = distill_loss_fn(teacher, cfg.temperature, cfg.alpha)
-    facts = train_in_place(
-        model,
-        train_ids,
-        loss_fn,
-        steps=cfg.steps,
-        seq_len=cfg.seq_len,
-        optimizer=cfg.optimizer,
-        schedule=cfg.schedule,
-        batch=cfg.batch,
-        grad_clip=cfg.grad_clip,
-        precision=cfg.precision,
-        memory=cfg.memory,
-        seed=seed,
-        progress=cfg.progress,
-        who=who,
-    )
+    loss ``cfg`` would build, for stages with losses of their own. With ``work_dir`` and
+    ``cfg.checkpoint_every_n_steps``, training checkpoints under ``work_dir`` (in a directory
+    keyed by the config, seed, model and teacher) and a re-run resumes from it."""
+    from optimize.prune.records import sparse_masks
+
+    built = None
+    if loss_fn is None and cfg.loss == "distill":
+        if teacher is None:
+            raise FinetuneError(f"{who}: loss 'distill' needs a teacher model")
+        teacher.eval()
+        loss_fn = built = DistillLoss(teacher, temperature=cfg.temperature, alpha=cfg.alpha, chunk_size=cfg.chunk_size)
+    masks = sparse_masks(model) if cfg.keep_sparsity else {}
+    resume_dir = None
+    if work_dir is not None and cfg.checkpoint_every_n_steps:
+        key = hashlib.sha256(json.dumps([cfg.model_dump(mode="json"), seed, who, fingerprint(model, teacher)],
+                                        sort_keys=True).encode()).hexdigest()[:12]
+        resume_dir = Path(work_dir) / f"{who}-train-{key}"
+    try:
+        facts = train_in_place(
+            model,
+            train_ids,
+            loss_fn,
+            steps=cfg.steps,
+            seq_len=cfg.seq_len,
+            optimizer=cfg.optimizer,
+            schedule=cfg.schedule,
+            batch=cfg.batch,
+            grad_clip=cfg.grad_clip,
+            precision=cfg.precision,
+            memory=cfg.memory,
+            seed=seed,
+            progress=cfg.progress,
+            who=who,
+            resume_dir=resume_dir,
+            checkpoint_every=cfg.checkpoint_every_n_steps,
+            masks=masks,
+        )
+    finally:
+        if built is not None:
+            built.close()
     out = {"loss": cfg.loss, "micro_batch_size": cfg.batch.micro_batch_size,
            "grad_accum_steps": cfg.batch.grad_accum_steps, **facts}
+    if "resumed_at_step" in out:
+        log(f"{who}: resumed from its checkpoint at step {out['resumed_at_step']}")
     log(f"{who} ({cfg.loss}): loss {out['loss_first']:.4f} -> {out['loss_last']:.4f} in {cfg.steps} steps "
         f"({out['tokens_seen']} tokens)")
     return out
