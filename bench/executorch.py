@@ -1,17 +1,22 @@
-"""Benchmark the ExecuTorch target on SmolLM2-135M: speed, size and perplexity per scheme.
+"""Benchmark our ExecuTorch .pte files of SmolLM2-135M against optimum-executorch's, in one run.
 
-One run prints one table: HF eager fp32 (``generate`` and the same Runner-based latency the
-.pte rows use), then fp32 / 8da8w / 8da4w / 8da4w with a higher-precision lm_head .pte
-files measured through ExecuTorch's runtime with 2 threads. Perplexity follows the
-project's reference method (first 4097 pydoc tokens, 512-token windows, no cache carried
-between windows). Decode is also shown as a fraction of a memory-bandwidth ceiling measured
-in the same run (a large tensor copy; weights read per token = .pte size minus the
-embedding table, which is only gathered, not streamed).
+Rows: ours fp32, ours 8da8w, ours 8da4w with the demo recipe (the stages and export options of
+``examples/smollm2.yaml``: AWQ + GPTQ, lm_head 8da8w) and, with ``--with-optimum``, the peer's
+8da4w .pte (optimum-executorch 1.1.0, ``--use_custom_sdpa --use_custom_kv_cache --qlinear 8da4w``),
+plus the decode ceilings from a copy bandwidth measured in the same run.
 
-Exports are cached under ``--work-dir`` by their options, so a re-run only measures.
+Every .pte is measured by the same code in this process (``export.verify`` through
+:class:`~export.executorch_runtime.ExecuTorchRunner`, ``forward(tokens[1, T], input_pos)`` from
+Python, 2 threads) on the same text: the project's reference (perplexity over the first 4097
+pydoc tokens in 512-token windows; prompts from offset 5000; median of ``--runs`` after a
+warm-up). ExecuTorch's own C++ text runner (TextLLMRunner) is timed on the same prompt too.
 
-    .venv/bin/python bench/executorch.py [--lm-head 8da8w] [--variants fp32,8da4w] [--work-dir /tmp/bench_et]
-    .venv/bin/python bench/executorch.py --export-only 8da4w   # fill the cache (can run in parallel)
+optimum-executorch pins transformers==5.0.0rc1, so it lives in a venv of its own (built once
+under the cache dir, torch held at 2.13.0, executorch at ours) and is only ever run through
+``optimum-cli``. Exports (ours and the peer's) are cached under ``--cache-dir`` by what
+determines their bytes, so a re-run only measures.
+
+    flock /tmp/heavy.lock .venv/bin/python bench/executorch.py --with-optimum [--rows fp32,8da8w,demo,peer]
 """
 
 from __future__ import annotations
@@ -21,46 +26,158 @@ import hashlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder would come first on sys.path and its name would shadow
-# the real ``executorch`` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# As a script this folder comes first on sys.path and this file's name would shadow the real
+# ``executorch`` package; the repository root goes there instead (for bench.accuracy's helpers).
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
 
 THREADS = 2
-PROMPT_TOKENS = 128
-DECODE_TOKENS = 64
+PROMPT, LONG_PROMPT, DECODE = 128, 512, 64
 MAX_SEQ_LEN = 512
+EVAL_TOKENS = 4096
+DEMO_YAML = HERE.parent / "examples" / "smollm2.yaml"
+PEER = {"optimum-executorch": "1.1.0", "executorch": "1.5.1", "torchao": "0.18.0", "transformers": "5.0.0rc1"}
+PEER_CMD = ["export", "executorch", "--task", "text-generation", "--recipe", "xnnpack", "--use_custom_sdpa",
+            "--use_custom_kv_cache", "--max_seq_len", str(MAX_SEQ_LEN), "--qlinear", "8da4w"]
+ROWS = {
+    "fp32": "ours fp32",
+    "8da8w": "ours 8da8w (all Linear)",
+    "demo": "ours 8da4w demo (AWQ+GPTQ, lm_head 8da8w)",
+    "peer": "optimum-executorch 8da4w",
+}
+#: files under export/ that only load or measure programs: editing them does not change a .pte
+RUNTIME_ONLY = {"executorch_runtime.py", "executorch_llm_runner.py", "runtime.py", "verify.py"}
 
 
-def variants(lm_head: str) -> dict[str, dict]:
-    out = {
-        "fp32": {"quantize": "none"},
-        "8da8w": {"quantize": "8da8w"},
-        "8da4w": {"quantize": "8da4w", "group_size": 32},
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# our exports
+
+
+def our_recipes() -> dict[str, tuple[list[dict], dict]]:
+    """Row -> (stages, ExecuTorch export options); the demo row reads examples/smollm2.yaml."""
+    import yaml
+
+    demo = yaml.safe_load(DEMO_YAML.read_text())
+    demo_export = {**demo.get("export", {}).get("executorch", {}), "max_seq_len": MAX_SEQ_LEN}
+    return {
+        "fp32": ([], {"quantize": "none", "max_seq_len": MAX_SEQ_LEN}),
+        "8da8w": ([], {"quantize": "8da8w", "lm_head": "same", "max_seq_len": MAX_SEQ_LEN}),
+        "demo": (demo["stages"], demo_export),
     }
-    if lm_head != "same":
-        out[f"8da4w+head_{lm_head}"] = {"quantize": "8da4w", "group_size": 32, "lm_head": lm_head}
-    for opts in out.values():
-        opts["max_seq_len"] = MAX_SEQ_LEN
-    return out
 
 
-def export_cached(name: str, opts: dict, work: Path, model, tokenizer) -> Path:
+def _code_digest(stages: list[dict]) -> str:
+    """The exporter's code (and the stages' when there are stages), runtime-only files left out."""
+    root = HERE.parent
+    files = [f for f in sorted((root / "export").glob("*.py")) if f.name not in RUNTIME_ONLY and "onnx" not in f.name]
+    if stages:
+        files += sorted((root / "optimize").rglob("*.py"))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def export_ours(name: str, stages: list[dict], opts: dict, lm, calib, cache: Path) -> tuple[Path, dict]:
+    """Our .pte for a row (cached by stages, options, toolchain and code); returns (path, timings)."""
+    from bench.accuracy import Row, _prepare
     from export.executorch import ExecuTorchExporter
+    from optimize.export_cache import toolchain_versions
 
-    key = hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:10]
-    out = work / f"{name}-{key}"
-    if (out / "manifest.json").exists():
-        return out / "model.pte"
+    key = hashlib.sha256(json.dumps({"stages": stages, "opts": opts, "toolchain": toolchain_versions(),
+                                     "code": _code_digest(stages)}, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache / f"ours-{name}-{key}"
+    meta = out / "bench.json"
+    if (out / "manifest.json").exists() and meta.exists():
+        log(f"{name}: reusing {out}")
+        return out / "model.pte", {**json.loads(meta.read_text()), "cached": True}
+    import copy
+
     t0 = time.perf_counter()
-    res = ExecuTorchExporter().export(model, tokenizer, out, opts, log=lambda m: print(f"  [{name}] {m}", file=sys.stderr))
-    print(f"  [{name}] exported in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
-    return res.artifact
+    model, _ = _prepare(copy.deepcopy(lm.model).eval(), Row(name, "executorch", stages, opts), calib, lm.tokenizer,
+                        cache / "stage-work", log)
+    stages_s = time.perf_counter() - t0
+    log(f"{name}: exporting (stages took {stages_s:.0f}s)")
+    t0 = time.perf_counter()
+    res = ExecuTorchExporter().export(model, lm.tokenizer, out, opts, log=lambda m: log(f"{name}: {m}"))
+    timings = {"stages_s": round(stages_s, 1), "export_s": round(time.perf_counter() - t0, 1),
+               "exporter": res.details.get("timings", {}), "delegation": res.details.get("delegation", {})}
+    meta.write_text(json.dumps(timings, indent=1))
+    return res.artifact, timings
+
+
+# ---------------------------------------------------------------------------------------------
+# the peer
+
+
+def peer_venv(venv: Path) -> Path:
+    """A venv of its own for optimum-executorch (it pins transformers==5.0.0rc1), built once.
+    torch is installed first (2.13.0 is a CPU wheel on disk) and held there by a constraint."""
+    py = venv / "bin" / "python"
+    if (venv / ".ok").exists():
+        return py
+    log(f"building the optimum-executorch venv at {venv} (one time, a few minutes)")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + ["--upgrade", "pip"], check=True)
+    subprocess.run(pip + ["torch==2.13.0"], check=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text("torch==2.13.0\n")
+    subprocess.run(pip + ["-c", str(constraints)] + [f"{k}=={v}" for k, v in PEER.items()], check=True)
+    check = subprocess.run([str(py), "-m", "pip", "check"], capture_output=True, text=True)
+    freeze = subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
+    (venv / ".ok").write_text(json.dumps({"pip_check": check.stdout.strip(), "freeze": freeze.splitlines()}, indent=1))
+    if check.returncode:
+        log(f"optimum-executorch venv: pip check reports: {check.stdout.strip()}")
+    return py
+
+
+def export_peer(hf_dir: Path, cache: Path) -> tuple[Path, dict]:
+    """The peer's 8da4w .pte through ``optimum-cli`` in its venv (cached); returns (path, timings)."""
+    venv = cache / "optimum-executorch-venv"
+    key = hashlib.sha256(json.dumps({"peer": PEER, "cmd": PEER_CMD, "model": str(hf_dir)}).encode()).hexdigest()[:12]
+    out = cache / f"peer-8da4w-{key}"
+    meta = out / "bench.json"
+    if (out / "model.pte").exists() and meta.exists():
+        log(f"peer: reusing {out}")
+        return out / "model.pte", {**json.loads(meta.read_text()), "cached": True}
+    py = peer_venv(venv)
+    tmp = out.with_name(out.name + ".partial")
+    subprocess.run(["rm", "-rf", str(tmp)], check=True)
+    log("peer: optimum-cli export executorch ... --qlinear 8da4w (about 6 minutes)")
+    t0 = time.perf_counter()
+    res = subprocess.run([str(venv / "bin" / "optimum-cli"), *PEER_CMD, "--model", str(hf_dir), "--output_dir", str(tmp)],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
+    export_s = time.perf_counter() - t0
+    if res.returncode != 0 or not (tmp / "model.pte").exists():
+        raise RuntimeError(f"optimum-cli export failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # what ExecuTorch's C++ runner reads beside the .pte
+        if (hf_dir / f).exists():
+            (tmp / f).write_bytes((hf_dir / f).read_bytes())
+    versions = {line.split("==")[0]: line.split("==")[1] for line in json.loads((venv / ".ok").read_text())["freeze"]
+                if "==" in line and line.split("==")[0] in ("torch", "executorch", "torchao", "transformers",
+                                                            "optimum-executorch", "optimum")}
+    timings = {"export_s": round(export_s, 1), "versions": versions}
+    (tmp / "bench.json").write_text(json.dumps(timings, indent=1))
+    tmp.rename(out)
+    return out / "model.pte", timings
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, runs: int = 7) -> float:
@@ -76,101 +193,190 @@ def copy_bandwidth(nbytes: int = 512 << 20, runs: int = 7) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def eager_generate_tok_s(model, prompt: torch.Tensor, runs: int = 3) -> float:
-    """HF generate, greedy, fixed length; decode speed = new tokens / (total - prefill)."""
-    ids = prompt.reshape(1, -1)
-    kw = dict(do_sample=False, max_new_tokens=DECODE_TOKENS, min_new_tokens=DECODE_TOKENS, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        speeds = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            model(ids)
-            t1 = time.perf_counter()
-            model.generate(ids, **kw)
-            t2 = time.perf_counter()
-            speeds.append((DECODE_TOKENS - 1) / ((t2 - t1) - (t1 - t0)))
-    return statistics.median(speeds)
+def ceilings(model, bandwidth: float) -> dict[str, dict]:
+    """Decode ceilings: bandwidth / Linear weight bytes read per token (lm_head counted in full),
+    with the project's size model (optimize.quant.mixed: int4 g32 = 0.5 B + fp32 scale + int8 zero
+    per group, int8 = 1 B + per-channel scale). KV-cache reads are not counted."""
+    from torch import nn
+
+    from optimize.quant.mixed import decode_bytes
+
+    linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    head = {n for n in linear if n == "lm_head" or n.endswith(".lm_head")}
+    per_token = {
+        "fp32": decode_bytes(model, set(), 4, 32),
+        "int8": decode_bytes(model, set(), 8, None, int8=linear),
+        "4-bit g32": decode_bytes(model, linear, 4, 32),
+        "4-bit g32, lm_head int8": decode_bytes(model, linear - head, 4, 32, int8=head),
+    }
+    return {k: {"bytes_per_token": b, "tok_s": bandwidth / b} for k, b in per_token.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lm-head", choices=["same", "fp32", "8da8w"], default="8da8w",
-                    help="extra 8da4w row with lm_head kept at this precision (same = no extra row)")
-    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/bench_et"))
-    ap.add_argument("--export-only", metavar="VARIANT", help="only export this variant (to prepare the cache in parallel)")
-    ap.add_argument("--variants", help="comma-separated subset of: fp32, 8da8w, 8da4w, 8da4w+head_<lm-head> (default all)")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--eval-tokens", type=int, default=4096,
-                    help="perplexity targets (4096 = the reference; fewer only to save time, and say so)")
-    args = ap.parse_args()
+ROW_CEILING = {"fp32": "fp32", "8da8w": "int8", "demo": "4-bit g32, lm_head int8", "peer": "4-bit g32"}
 
-    torch.set_num_threads(THREADS)
-    from export.executorch_runtime import set_threads
-    from export.runtime import EagerRunner
+
+def prefill_ms(runner, ids: torch.Tensor, runs: int, warmup: int = 1) -> float:
+    """Median time of one prefill of ``ids`` from a clean cache (no decode after it)."""
+    times = []
+    for i in range(warmup + runs):
+        runner.reset()
+        t0 = time.perf_counter()
+        runner.forward(ids, all_logits=False)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1000.0)
+    runner.reset()
+    return statistics.median(times)
+
+
+def measure(pte: Path, eval_ids, prompt, tokenizer, runs: int) -> dict:
+    from export.executorch_llm_runner import LLMRunnerUnavailable
+    from export.executorch_runtime import ExecuTorchRunner
     from export.verify import latency, perplexity
-    from train.corpus import load_text, tokenize
-    from train.sources import BundledSource, load_model
 
-    loaded = load_model(BundledSource(name="smollm2-135m"))
-    model, tok = loaded.model.eval(), loaded.tokenizer
-    vs = variants(args.lm_head)
-    if args.variants:
-        wanted = [v.strip() for v in args.variants.split(",")]
-        unknown = [v for v in wanted if v not in vs]
-        if unknown:
-            ap.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(vs)}")
-        vs = {k: vs[k] for k in wanted}
+    runner = ExecuTorchRunner(pte, threads=THREADS)
+    t0 = time.perf_counter()
+    ppl = perplexity(runner, eval_ids, MAX_SEQ_LEN)["perplexity"]
+    row = {"size_mib": runner.size_bytes() / 2**20, "ppl": ppl, "ppl_s": round(time.perf_counter() - t0, 1)}
+    lat = latency(runner, prompt[:PROMPT], DECODE, runs=runs, warmup=1)
+    row.update(prefill128_ms=lat["prefill_ms"], decode_tok_s=lat["decode_tok_s"],
+               prefill512_ms=prefill_ms(runner, prompt[:LONG_PROMPT], runs))
+    try:  # ExecuTorch's C++ runner on the same prompt (tokenized by its own tokenizer)
+        llm = runner.llm_runner()
+        text, num_bos = llm.prompt_for(tokenizer, prompt[:PROMPT].tolist(), strict=False)
+        st = llm.timed(text, DECODE, num_bos=num_bos, runs=runs, warmup=1)
+        row.update(cpp_prefill128_ms=st["prefill_ms"], cpp_decode_tok_s=st["decode_tok_s"],
+                   cpp_prompt_tokens=st["prompt_tokens"], cpp_generated=st["generated_tokens"])
+    except LLMRunnerUnavailable as exc:
+        row["cpp_error"] = str(exc)
+        log(f"{pte}: C++ runner not timed: {exc}")
+    row["runtime"] = {k: v for k, v in runner.describe().items() if k in ("max_prefill_chunk", "input_pos",
+                                                                         "all_position_logits", "threads")}
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+
+
+def _f(x, fmt: str) -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) else "-"
+
+
+def table(results: dict[str, dict], ceil: dict[str, dict], bandwidth: float) -> str:
+    peer = results.get("peer") if "error" not in results.get("peer", {"error": 1}) else None
+    lines = ["| row | size MiB | prefill-128 ms | prefill-512 ms | decode tok/s | of ceiling | ppl | export s "
+             "| C++ runner prefill-128 ms / decode tok/s | x peer prefill-128 | x peer prefill-512 | x peer decode "
+             "| x peer size |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, r in results.items():
+        if "error" in r:
+            lines.append(f"| {ROWS[key]} | failed: {r['error'][:150]} |" + " |" * 11)
+            continue
+        c = ceil[ROW_CEILING[key]]["tok_s"]
+        exp = r.get("export", {})
+        export_s = (exp.get("export_s") or 0) + (exp.get("stages_s") or 0)
+        export_txt = _f(export_s, ".0f") + (f" ({exp['stages_s']:.0f} stages)" if exp.get("stages_s") else "") \
+            + (" cached" if exp.get("cached") else "")
+        ratios = ["-"] * 4
+        if peer:
+            ratios = [_f(r["prefill128_ms"] / peer["prefill128_ms"], ".2f"),
+                      _f(r["prefill512_ms"] / peer["prefill512_ms"], ".2f"),
+                      _f(r["decode_tok_s"] / peer["decode_tok_s"], ".2f"), _f(r["size_mib"] / peer["size_mib"], ".2f")]
+        cpp = f"{_f(r.get('cpp_prefill128_ms'), '.0f')} / {_f(r.get('cpp_decode_tok_s'), '.1f')}"
+        lines.append(f"| {ROWS[key]} | {r['size_mib']:.0f} | {r['prefill128_ms']:.0f} | {r['prefill512_ms']:.0f} "
+                     f"| {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / c:.0%} of {c:.0f} | {r['ppl']:.2f} "
+                     f"| {export_txt} | {cpp} | " + " | ".join(ratios) + " |")
+    lines.append("")
+    lines.append(f"Copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write of a 512 MiB copy, median of 7). Decode ceilings "
+                 "(bandwidth / Linear weight bytes per token, the full lm_head counted): " + ", ".join(
+                     f"{k} {v['tok_s']:.0f} tok/s ({v['bytes_per_token'] / 1e6:.0f} MB)" for k, v in ceil.items()) + ".")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=None, help=f"comma-separated subset of {', '.join(ROWS)} (default: ours, "
+                    "plus peer with --with-optimum)")
+    ap.add_argument("--with-optimum", action="store_true", help="build optimum-executorch in its own venv and add "
+                    "its 8da4w .pte (the peer row)")
+    ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench_executorch"),
+                    help="exports and the peer's venv, reused across runs")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs (median) after one warm-up")
+    ap.add_argument("--output", type=Path, default=Path("/tmp/bench_executorch.txt"), help="table (and .json beside it)")
+    ap.add_argument("--export-only", action="store_true", help="fill the export cache, measure nothing")
+    args = ap.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",")] if args.rows else \
+        ["fp32", "8da8w", "demo"] + (["peer"] if args.with_optimum else [])
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    if "peer" in rows and not args.with_optimum:
+        ap.error("the peer row needs --with-optimum")
+    torch.set_num_threads(THREADS)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    from export.executorch_runtime import set_threads
+    from train.corpus import load_text, split_corpus, tokenize
+    from train.corpus import windows as cut
+    from train.sources import BundledSource, bundled_gguf_path, convert_gguf, load_model
+
+    t_all = time.perf_counter()
+    lm = load_model(BundledSource(name="smollm2-135m"))
+    ids = tokenize(load_text("pydoc"), lm.tokenizer)
+    splits = split_corpus(ids, eval_tokens=EVAL_TOKENS, calib_tokens=4096)  # as the demo: calibration after eval
+    calib = cut(splits.calib_ids, 512, max_windows=8)
+    eval_ids, prompt = ids[: EVAL_TOKENS + 1], ids[5000 : 5000 + LONG_PROMPT]
+
+    ptes: dict[str, tuple[Path, dict]] = {}
+    results: dict[str, dict] = {}
+    recipes = our_recipes()
+    for key in rows:
+        try:
+            if key == "peer":
+                ptes[key] = export_peer(convert_gguf(bundled_gguf_path("smollm2-135m")), args.cache_dir)
+            else:
+                ptes[key] = export_ours(key, *recipes[key], lm, calib, args.cache_dir)
+        except Exception as exc:  # one failing row must not lose the others
+            log(f"{key}: export failed: {type(exc).__name__}: {exc}")
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
     if args.export_only:
-        export_cached(args.export_only, vs[args.export_only], args.work_dir, model, tok)
-        return
-    ptes = {name: export_cached(name, opts, args.work_dir, model, tok) for name, opts in vs.items()}
+        return 0
 
-    ids = tokenize(load_text("pydoc"), tok)
-    eval_ids, prompt = ids[: args.eval_tokens + 1], ids[5000 : 5000 + PROMPT_TOKENS]
     set_threads(THREADS)
-    bw = copy_bandwidth()
-    cfg = model.config
-    emb_bytes = cfg.vocab_size * cfg.hidden_size * 4
+    bandwidth = copy_bandwidth()
+    ceil = ceilings(lm.model, bandwidth)
+    log(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; load avg {os.getloadavg()[0]:.1f}")
+    for key in rows:
+        if key in results:
+            continue
+        pte, timings = ptes[key]
+        log(f"{key}: measuring {pte}")
+        try:
+            results[key] = {**measure(pte, eval_ids, prompt, lm.tokenizer, args.runs), "export": timings,
+                            "artifact": str(pte)}
+        except Exception as exc:
+            log(f"{key}: measurement failed: {type(exc).__name__}: {exc}")
+            results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"{key}: {json.dumps({k: v for k, v in results[key].items() if k != 'export'}, default=str)}")
+    results = {k: results[k] for k in rows}
 
-    rows = []
-    eager = EagerRunner(model)
-    lat = latency(eager, prompt, DECODE_TOKENS, runs=args.runs, warmup=1)
-    gen = eager_generate_tok_s(model, prompt, runs=args.runs)
-    ppl = perplexity(eager, eval_ids, MAX_SEQ_LEN)["perplexity"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: lm_head == embedding
-    rows.append(("eager fp32 (HF generate)", None, None, gen, ppl, weight_bytes))
-    rows.append(("eager fp32 (Runner)", None, lat["prefill_ms"], lat["decode_tok_s"], ppl, weight_bytes))
-    del eager
-
-    from export.executorch import ExecuTorchExporter
-
-    for name, pte in ptes.items():
-        runner = ExecuTorchExporter().load(pte, threads=THREADS)
-        lat = latency(runner, prompt, DECODE_TOKENS, runs=args.runs, warmup=1)
-        ppl = perplexity(runner, eval_ids, MAX_SEQ_LEN)["perplexity"]
-        size = runner.size_bytes()
-        rows.append((f".pte {name}", size, lat["prefill_ms"], lat["decode_tok_s"], ppl, size - emb_bytes))
-        del runner
-
-    base_tok_s, base_ppl = rows[0][3], rows[0][4]
-    print(f"SmolLM2-135M on ExecuTorch/XNNPACK, {THREADS} threads, prompt {PROMPT_TOKENS}, decode {DECODE_TOKENS}, "
-          f"median of {args.runs} after 1 warm-up; max_seq_len {MAX_SEQ_LEN}")
-    print(f"copy bandwidth (read+write of a 512 MiB copy): {bw / 1e9:.1f} GB/s")
-    print(f"perplexity: first {args.eval_tokens + 1} pydoc tokens, windows of 512 inputs each from a clean cache "
-          "(the .pte takes each window as a 511-token prefill + 1 token: one dynamic-shape call holds max_seq_len-1)")
-    hdr = f"{'model':<28}{'size MB':>9}{'prefill ms':>11}{'decode tok/s':>13}{'x eager':>8}{'ppl':>8}{'ppl vs fp32':>12}{'ceiling tok/s':>14}{'of ceiling':>11}"
-    print(hdr)
-    print("-" * len(hdr))
-    for name, size, pre, dec, ppl, wbytes in rows:
-        ceiling = bw / wbytes
-        print(f"{name:<28}{(f'{size / 1e6:.1f}' if size else '-'):>9}{(f'{pre:.0f}' if pre else '-'):>11}"
-              f"{dec:>13.1f}{dec / base_tok_s:>8.2f}{ppl:>8.2f}{(ppl / base_ppl - 1) * 100:>+11.1f}%"
-              f"{ceiling:>14.0f}{dec / ceiling:>11.0%}")
-    print("x eager: decode vs HF eager fp32 generate. ceiling = copy bandwidth / weight bytes read per token "
-          "(.pte size minus the fp32 embedding table; eager: all parameters, lm_head tied).")
-    print("The machine's 2 cores are shared with other jobs: timings are noisy.")
+    text = (f"bench/executorch.py: SmolLM2-135M, {THREADS} threads, max_seq_len {MAX_SEQ_LEN}; perplexity over the first "
+            f"{EVAL_TOKENS + 1} pydoc tokens in {MAX_SEQ_LEN}-token windows; prompts from offset 5000; decode "
+            f"{DECODE} greedy steps after a {PROMPT}-token prefill; median of {args.runs} after 1 warm-up, all .pte "
+            f"files through the same Python loop (ExecuTorch pybindings). Load avg {os.getloadavg()[0]:.1f} at the end: "
+            "on a shared machine the timings are noisy; compare ratios within one run.\n\n"
+            + table(results, ceil, bandwidth)
+            + "\n\nx peer: ours / the peer's in this run (prefill: lower is better; decode: higher). export s: "
+            "ExecuTorch export (quantize + torch.export + lowering), plus the stages it needs (AWQ, GPTQ); the peer's is "
+            f"optimum-cli's wall time. C++ runner: ExecuTorch's TextLLMRunner's own Stats on the same prompt. "
+            f"Wall time of this run {time.perf_counter() - t_all:.0f} s.\n")
+    print(text)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    args.output.with_suffix(".json").write_text(json.dumps({"results": results, "ceilings": ceil,
+                                                            "bandwidth": bandwidth}, indent=1, default=str))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

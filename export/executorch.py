@@ -1,29 +1,37 @@
 """ExecuTorch target: a decoder-only LM as a ``.pte`` with a static KV cache, delegated to XNNPACK.
 
-``forward(tokens[1, T], input_pos[T])`` serves both prefill and decode and returns logits for
-every fed position, so one program is used for generation and for perplexity. Metadata
-methods (``get_max_seq_len``, ``get_vocab_size``, ``get_bos_id``, ``get_eos_ids``,
-``tokenizer_type``...) let ExecuTorch/TorchChat runners and :class:`ExecuTorchRunner` size
-themselves from the file alone.
+Attention and the KV cache run through ExecuTorch's LLM custom ops (``llama::custom_sdpa``,
+``llama::update_cache``; ring buffers for sliding-window layers) wired in by
+:mod:`export.executorch_llm`; everything else (projections, RMSNorm, MLP, lm_head) is
+delegated to XNNPACK. ``forward(tokens[1, T], input_pos[T])`` serves both prefill (up to
+``get_max_seq_len`` tokens a call: the whole cache, or a sliding window) and decode and returns
+logits for every fed position, so one program is used for generation and for perplexity.
+Metadata methods (``get_max_seq_len``, ``get_max_context_len``, ``get_vocab_size``,
+``get_bos_id``, ``get_eos_ids``, ``tokenizer_type``...) let ExecuTorch's C++ text runner,
+TorchChat and :class:`ExecuTorchRunner` size themselves from the file alone.
 
 Quantization: a model that an earlier stage quantized with torchao is exported as given
 (``quantize: none``); users who skip that stage can ask for 8da4w/8da8w here. int8
 weight-only is refused: lowered to XNNPACK it returns wrong logits (see the regression test).
+:meth:`ExecuTorchExporter.check_model` refuses at validation what this path cannot export.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 from pydantic import Field
 
-from targets.atomic import atomic_path, atomic_write_json, sha256_file
+from targets.atomic import atomic_dir, sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
+from export.executorch_quant import _apply_quantization, _is_lm_head, _refuse_weight_only
 from export.executorch_runtime import ExecuTorchRunner
 from export.linear_schemes import (
     check_mix,
@@ -35,11 +43,17 @@ from export.linear_schemes import (
 )
 
 PTE_NAME = "model.pte"
+#: external weights (``weights: external``): ``<tag>.ptd`` beside the program
+PTD_TAG = "model"
+PTD_NAME = f"{PTD_TAG}.ptd"
 MANIFEST_NAME = "manifest.json"
 
 
 class ExecuTorchOptions(ExportOptions):
     """The ``executorch`` block of a pipeline YAML."""
+
+    #: the pipeline fills ``max_seq_len`` from the target profile when the YAML leaves it out
+    max_seq_len_from_profile: ClassVar[bool] = True
 
     quantize: Literal["none", "8da4w", "8da8w"] = Field(
         "none",
@@ -55,10 +69,11 @@ class ExecuTorchOptions(ExportOptions):
         description="precision of the output projection when quantize is set: same as the other layers, "
         "fp32, or 8da8w (int4 on lm_head costs most of 8da4w's perplexity loss)",
     )
-    embedding_quantize: Literal["int8", "int4"] | None = Field(
-        None,
+    embedding_quantize: Literal["auto", "int8", "int4"] | None = Field(
+        "auto",
         description="weight-only quantization of the token embedding table (portable quantized "
-        "embedding kernel): int8 per row or int4 group-wise; null keeps it fp32",
+        "embedding kernel): int8 per row, int4 group-wise, null keeps it fp32, auto (default) = int8 "
+        "when the Linear layers are quantized and the fp32 table would be at least a quarter of the program",
     )
     embedding_group_size: int = Field(
         32, gt=0, description="group size for int4 embedding quantization; must divide hidden_size"
@@ -67,7 +82,15 @@ class ExecuTorchOptions(ExportOptions):
         None, ge=2, description="KV-cache length (prompt + generation); null takes the target profile's"
     )
     dtype: Literal["float32"] = Field(
-        "float32", description="activation/weight dtype of the program; only float32 is verified on XNNPACK here"
+        "float32",
+        description="dtype the exporter casts the model's floating weights, activations and KV cache to "
+        "(a bfloat16 model is exported in float32); only float32 is verified on XNNPACK here",
+    )
+    weights: Literal["embedded", "external"] = Field(
+        "embedded",
+        description="where the weights live: embedded (one self-contained model.pte) or external (a small "
+        "model.pte plus model.ptd, loaded together; identical tensors are stored once, so a tied embedding "
+        "and lm_head of the same precision share storage, which a single .pte cannot do)",
     )
     tokenizer_type: int | None = Field(
         None,
@@ -75,86 +98,6 @@ class ExecuTorchOptions(ExportOptions):
         description="value of the tokenizer_type metadata method read by TorchChat's runner "
         "(2 = SentencePiece, 3 = tiktoken/BPE); null infers it from the tokenizer",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# quantization
-
-
-def _is_lm_head(fqn: str) -> bool:
-    return fqn == "lm_head" or fqn.endswith(".lm_head")
-
-
-def _refuse_weight_only(model: torch.nn.Module) -> None:
-    bad = [f for f, m in model.named_modules() if isinstance(m, torch.nn.Linear) and linear_scheme(m.weight).endswith("wo")]
-    if bad:
-        raise ExportError(
-            f"{len(bad)} Linear layers (e.g. {bad[0]}) hold weight-only quantized weights "
-            f"({linear_scheme(dict(model.named_modules())[bad[0]].weight)}); lowered to XNNPACK, int8 "
-            "weight-only returns wrong logits (executorch 1.4.1/1.5.1). Use 8da8w or 8da4w instead."
-        )
-
-
-def _apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> None:
-    from torchao.quantization import (
-        Int8DynamicActivationIntxWeightConfig,
-        IntxWeightOnlyConfig,
-        PerAxis,
-        PerGroup,
-        quantize_,
-    )
-
-    cfg_8da8w = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
-    if opts.quantize != "none":
-        already = {s for s in quantization_mix(model) if s != "fp32"}
-        if already:
-            raise ExportError(
-                f"quantize={opts.quantize!r} but the model is already quantized ({', '.join(sorted(already))}); "
-                "set quantize: none to export it as given"
-            )
-        main = (
-            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(opts.group_size))
-            if opts.quantize == "8da4w"
-            else cfg_8da8w
-        )
-        head = {"same": main, "fp32": None, "8da8w": cfg_8da8w}[opts.lm_head]
-        targets = {
-            fqn: m
-            for fqn, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and (head is not None or not _is_lm_head(fqn))
-        }
-        if opts.quantize == "8da4w":
-            odd = [
-                f"{f} (in_features={m.in_features})"
-                for f, m in targets.items()
-                if m.in_features % opts.group_size and (head is main or not _is_lm_head(f))
-            ]
-            if odd:
-                raise ExportError(
-                    f"group_size={opts.group_size} does not divide the in_features of {len(odd)} layers, "
-                    f"e.g. {odd[0]}; choose a group_size that divides them (e.g. 32)"
-                )
-        quantize_(model, main, lambda m, fqn: fqn in targets and not _is_lm_head(fqn))
-        if head is not None:
-            quantize_(model, head, lambda m, fqn: fqn in targets and _is_lm_head(fqn))
-    if opts.embedding_quantize is not None:
-        emb = model.get_input_embeddings()
-        if linear_scheme(emb.weight) != "fp32":
-            raise ExportError(
-                f"embedding_quantize={opts.embedding_quantize!r} but the embedding is already quantized "
-                f"({linear_scheme(emb.weight)}); set embedding_quantize: null to export it as given"
-            )
-        if opts.embedding_quantize == "int4" and emb.embedding_dim % opts.embedding_group_size:
-            raise ExportError(
-                f"embedding_group_size={opts.embedding_group_size} does not divide the embedding width "
-                f"{emb.embedding_dim}; choose one that does (e.g. 32)"
-            )
-        cfg = (
-            IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
-            if opts.embedding_quantize == "int8"
-            else IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(opts.embedding_group_size))
-        )
-        quantize_(model, cfg, lambda m, fqn: m is emb)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,88 +151,223 @@ def _delegation(gm: torch.fx.GraphModule) -> dict:
     }
 
 
-def _resolve_max_seq_len(opts: ExecuTorchOptions) -> int:
-    if opts.max_seq_len is not None:
-        return opts.max_seq_len
-    from targets.profile import load_target
+DEFAULT_MAX_SEQ_LEN = 512
 
-    return load_target("executorch").max_seq_len
+#: transformers model types whose attention this exporter routes through ExecuTorch's LLM ops
+#: (each covered by a test against eager)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "smollm3",
+                         "gpt2", "opt", "gpt_neox")
+
+
+def model_problems(config: Any, opts: ExecuTorchOptions) -> list[str]:
+    """What the model's config shows this exporter cannot do with ``opts`` (one sentence each)."""
+    from targets.group_size import embedding_width_error, group_size_error, widths_error
+    from export.executorch_llm import plan_layers
+
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    problems: list[str] = []
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(
+            f"model type {model_type!r} is not supported by the ExecuTorch exporter's custom-op attention and KV "
+            f"cache (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+        return problems
+    n = _resolve_max_seq_len(opts)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    if limit is not None and n > limit:
+        problems.append(f"max_seq_len={n} exceeds the model's max_position_embeddings={limit}; "
+                        f"export with max_seq_len <= {limit}")
+    problems.extend(plan_layers(config, n).problems)
+    hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+    if opts.quantize == "8da4w" and hidden:
+        why = group_size_error(opts.group_size)
+        if why is None:
+            heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+            head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads else hidden)
+            widths = {"q/k/v/gate/up projections": hidden,
+                      "o_proj": heads * head_dim if heads else hidden,
+                      "down_proj": int(getattr(cfg, "intermediate_size", hidden) or hidden)}
+            if opts.lm_head == "same":
+                widths["lm_head"] = hidden
+            why = widths_error(opts.group_size, widths)
+        if why:
+            problems.append(why)
+    if opts.embedding_quantize == "int4" and hidden:
+        why = embedding_width_error(opts.embedding_group_size, hidden)
+        if why:
+            problems.append(why)
+    return problems
+
+
+def _resolve_max_seq_len(opts: ExecuTorchOptions) -> int:
+    """The cache length: the options' (the pipeline fills it from the target profile), else 512."""
+    return opts.max_seq_len if opts.max_seq_len is not None else DEFAULT_MAX_SEQ_LEN
+
+
+def _graph_ops(gm: torch.fx.GraphModule) -> Counter:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _check_custom_ops(ep: torch.export.ExportedProgram, plan) -> dict:
+    """The exported graph must update the cache through ExecuTorch's LLM ops (twice per layer) and
+    attend with ``llama::custom_sdpa`` once per layer (soft-capped models: with the plain-op
+    fallback), and run no transformers SDPA or KV ``index_put``: refuse a program that silently
+    fell back."""
+    n_layers = len(plan.layers)
+    want_sdpa = 0 if plan.softcap is not None else n_layers
+    ops = _graph_ops(ep.graph_module)
+    sdpa = sum(v for k, v in ops.items() if "llama.custom_sdpa" in k)
+    upd = sum(v for k, v in ops.items() if "llama.update_cache" in k)
+    # a ring's slot positions are one index_put per window per call
+    fallback = {k: v for k, v in ops.items() if "scaled_dot_product" in k or "repeat_kv" in k
+                or ("index_put" in k and v > len(plan.windows))}
+    if sdpa != want_sdpa or upd != 2 * n_layers or fallback:
+        raise ExportError(
+            f"the exported graph has {sdpa} llama::custom_sdpa and {upd} llama::update_cache calls for {n_layers} "
+            f"layers (want {want_sdpa} and {2 * n_layers}) and fallback ops {fallback or 'none'}; the model's "
+            "attention did not route through ExecuTorch's LLM custom ops"
+        )
+    return {"llama::custom_sdpa": sdpa, "llama::update_cache": upd,
+            "softcapped_attention_layers": n_layers - sdpa}
+
+
+def _cast_floats(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast plain floating parameters and buffers to ``dtype`` (quantized weights keep their own)."""
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_floating_point() and p.dtype != dtype:
+                setattr(mod, name, torch.nn.Parameter(p.detach().to(dtype), requires_grad=False))
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b is not None and type(b) is torch.Tensor and b.is_floating_point() and b.dtype != dtype:
+                mod._buffers[name] = b.to(dtype)
+
+
+def _metadata(model, tokenizer, opts: ExecuTorchOptions, n: int, chunk: int, plan) -> dict:
+    config = model.config
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        bos = getattr(config, "bos_token_id", None)
+    meta = {
+        # ExecuTorch's LLM runners: get_max_seq_len = most tokens one forward takes (the prefill
+        # chunk), get_max_context_len = KV-cache positions
+        "get_max_seq_len": chunk,
+        "get_max_context_len": n,
+        "get_max_prefill_chunk": chunk,
+        "get_vocab_size": int(model.get_input_embeddings().num_embeddings),
+        "get_bos_id": int(bos) if bos is not None else -1,
+        "get_eos_ids": _eos_ids(model, tokenizer) or [-1],
+        "use_kv_cache": True,
+        "enable_dynamic_shape": True,
+        "use_sdpa_with_kv_cache": True,
+        "tokenizer_type": opts.tokenizer_type if opts.tokenizer_type is not None else _tokenizer_type(tokenizer),
+    }
+    if plan.windows:
+        meta["sliding_window"] = min(plan.windows)
+    return meta
 
 
 def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *, log=print) -> tuple[bytes, dict]:
-    """Quantize a copy of ``model`` as ``opts`` asks, export it with a static cache, lower it.
+    """One self-contained program: :func:`lower_program` with the weights embedded.
 
-    Returns the program bytes and details (delegation, quantization mix, timings).
+    Returns the program bytes and details (delegation, custom ops, quantization mix, timings).
+    """
+    if opts.weights != "embedded":
+        raise ExportError("lower_to_pte returns one self-contained program; weights: external needs lower_program")
+    pte, _, details = lower_program(model, tokenizer, opts, log=log)
+    return pte, details
+
+
+def _tag_weights_external(ep: torch.export.ExportedProgram) -> None:
+    """Send every parameter and constant to the external data file, the delegated ones too
+    (XNNPACK reads the tag from its weight nodes): the data file stores identical bytes once."""
+    sig = ep.graph_signature
+    consts = set(sig.inputs_to_parameters) | set(sig.inputs_to_lifted_tensor_constants)
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in consts:
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = PTD_TAG
+
+
+def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *,
+                  log=print) -> tuple[bytes, bytes | None, dict]:
+    """Quantize a copy of ``model`` as ``opts`` asks, swap in ExecuTorch's LLM ops, export, lower.
+
+    Attention and the KV cache go through ``llama::custom_sdpa`` / ``llama::update_cache``
+    (:mod:`export.executorch_llm`); everything else is delegated to XNNPACK. Returns the
+    program, the external weights (``weights: external``, else None) and details.
     """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+    from executorch.exir.passes import MemoryPlanningPass
+
+    from export.executorch_llm import ExecuTorchDecoder, plan_layers, swap_rms_norms, swap_tanh_gelus
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
         raise ExportError("the ExecuTorch exporter takes a Hugging Face causal LM (a PreTrainedModel with a config)")
     n = _resolve_max_seq_len(opts)
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and n > limit:
-        raise ExportError(f"max_seq_len={n} exceeds the model's max_position_embeddings={limit}")
-    # Work on a copy: quantize_ and the static-cache wrapper mutate the module and its
-    # generation_config, and the pipeline keeps using the model it handed us.
-    model = copy.deepcopy(model).eval().float() if opts.quantize != "none" else copy.deepcopy(model).eval()
-    _apply_quantization(model, opts)
+    problems = model_problems(config, opts)
+    if problems:
+        raise ExportError("; ".join(problems))
+    plan = plan_layers(config, n)
+    dtype = getattr(torch, opts.dtype)
+    # Work on a copy: quantize_, the norm swap and the attention switch mutate the module, and
+    # the pipeline keeps using the model it handed us.
+    model = copy.deepcopy(model).eval()
+    _cast_floats(model, dtype)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    decided = _apply_quantization(model, opts)
     _refuse_weight_only(model)
     mix = quantization_mix(model)
-    model.config.use_cache = True
-    model.generation_config.use_cache = True
-    model.generation_config.cache_implementation = "static"
+    eager_schemes = module_schemes(model)
+    norms = swap_rms_norms(model)
+    gelus = swap_tanh_gelus(model)
 
     timings = {}
     t0 = time.perf_counter()
-    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=n)
-    seq = torch.export.Dim("seq_len", max=n - 1)
-    example = torch.zeros(1, 4, dtype=torch.long)
-    log(f"executorch: torch.export (max_seq_len={n}, linear layers: {mix})")
+    decoder = ExecuTorchDecoder(model, plan, dtype=dtype).eval()
+    chunk = plan.max_chunk
+    seq = torch.export.Dim("seq_len", min=1, max=chunk)
+    example = min(4, chunk)
+    log(f"executorch: torch.export (max_seq_len={n}, prefill chunk {chunk}, linear layers: {mix})")
     try:
         with torch.no_grad():
-            ep = wrapper.export(
-                input_ids=example,
-                cache_position=torch.arange(4),
-                dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+            ep = torch.export.export(
+                decoder,
+                (torch.zeros(1, example, dtype=torch.long), torch.arange(example)),
+                dynamic_shapes=({1: seq}, {0: seq}),
                 strict=True,
             )
     except Exception as exc:
-        raise ExportError(f"torch.export of {type(model).__name__} with a static cache failed: {exc}") from exc
+        raise ExportError(f"torch.export of {type(model).__name__} with ExecuTorch's LLM ops failed: {exc}") from exc
     timings["torch_export_s"] = time.perf_counter() - t0
+    custom_ops = _check_custom_ops(ep, plan)
     graph_schemes = exported_linear_schemes(ep)
-    check_mix(module_schemes(model), graph_schemes)
-    vocab = int(model.get_input_embeddings().num_embeddings)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        bos = getattr(config, "bos_token_id", None)
-    meta = {
-        "get_max_seq_len": n,
-        "get_max_context_len": n,
-        "get_max_prefill_chunk": n - 1,
-        "get_vocab_size": vocab,
-        "get_bos_id": int(bos) if bos is not None else -1,
-        "get_eos_ids": _eos_ids(model, tokenizer) or [-1],
-        "use_kv_cache": True,
-        "enable_dynamic_shape": True,
-        "use_sdpa_with_kv_cache": False,
-        "tokenizer_type": opts.tokenizer_type if opts.tokenizer_type is not None else _tokenizer_type(tokenizer),
-    }
+    check_mix(eager_schemes, graph_schemes)
+    meta = _metadata(model, tokenizer, opts, n, chunk, plan)
+    external = opts.weights == "external"
+    if external:
+        _tag_weights_external(ep)
     log("executorch: lowering to XNNPACK (minutes for a full-size model)")
     t0 = time.perf_counter()
     try:
         edge = to_edge_transform_and_lower(
             ep,
             partitioner=[XnnpackPartitioner()],
-            compile_config=EdgeCompileConfig(_check_ir_validity=False),
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
             constant_methods=meta,
         )
         delegation = _delegation(edge.exported_program().graph_module)
-        # quant fusion turns torchao's dequantize+embedding into quantized_decomposed::embedding_*
-        prog = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True))
+        # quant fusion turns torchao's dequantize+embedding into quantized_decomposed::embedding_*;
+        # graph inputs are not planned into the arena (the runner owns them)
+        prog = edge.to_executorch(ExecutorchBackendConfig(
+            do_quant_fusion_and_const_prop=True,
+            memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+            external_constants=(lambda node: PTD_TAG) if external else False,
+        ))
         data = bytes(prog.buffer)
+        ptd = _external_data(prog) if external else None
     except Exception as exc:
         raise ExportError(f"lowering to ExecuTorch/XNNPACK failed: {exc}") from exc
     timings["lower_s"] = time.perf_counter() - t0
@@ -297,9 +375,39 @@ def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions
         f"portable: {delegation['portable_ops']}")
     emb_scheme = linear_scheme(model.get_input_embeddings().weight).replace("wo", "")
     details = {"delegation": delegation,
-               "quantization": {"linear": mix, "embedding": emb_scheme, "exported_linear": mix_details(graph_schemes)},
-               "metadata": meta, "timings": timings}
-    return data, details
+               "llm_ops": {**custom_ops, "rms_norm_swapped": norms["swapped"], "rms_norm_kept": norms["kept"],
+                           "tanh_gelu_swapped": gelus,
+                           "prefill_chunk": chunk, "sliding_windows": plan.windows,
+                           "ring_layers": sum(p.ring for p in plan.layers)},
+               "quantization": {"linear": mix, "embedding": emb_scheme, **decided,
+                                "exported_linear": mix_details(graph_schemes)},
+               "metadata": meta, "timings": timings,
+               "weights": {"where": opts.weights, "pte_bytes": len(data), "ptd_bytes": len(ptd) if ptd else 0,
+                           "tied_embedding": _tied_note(tied, emb_scheme, eager_schemes, opts.weights)}}
+    return data, ptd, details
+
+
+def _tied_note(tied: bool, emb_scheme: str, schemes: dict[str, str], weights: str) -> str | None:
+    """How a tied embedding / lm_head pair is stored, and why twice when it is (for the report)."""
+    if not tied:
+        return None
+    head = next((v for f, v in schemes.items() if _is_lm_head(f)), "fp32")
+    if emb_scheme != head:
+        return (f"stored twice: the embedding is {emb_scheme} (a table lookup) and lm_head {head} (a matmul), "
+                "different tensors; the quantized table is what keeps the size down")
+    if weights == "external":
+        return "stored once: model.ptd holds identical tensors once"
+    return ("stored twice: a single .pte keeps the table as a program constant for the lookup and XNNPACK packs "
+            "its own copy for lm_head; weights: external stores it once in model.ptd")
+
+
+def _external_data(prog) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="et-ptd-") as tdir:
+        prog.write_tensor_data_to_file(tdir)
+        files = sorted(Path(tdir).glob("*.ptd"))
+        if [f.name for f in files] != [PTD_NAME]:
+            raise ExportError(f"expected one external data file {PTD_NAME}, ExecuTorch wrote {[f.name for f in files]}")
+        return files[0].read_bytes()
 
 
 class ExecuTorchExporter(Exporter):
@@ -319,53 +427,64 @@ class ExecuTorchExporter(Exporter):
     ) -> ExportResult:
         """Write ``model.pte``, the tokenizer files and ``manifest.json`` into ``out_dir``.
 
-        Each file is written atomically; the manifest comes last, so a directory with a
-        manifest is complete. ``calibration`` is unused: torchao's schemes here are dynamic.
+        The directory is built beside ``out_dir`` and swapped in whole (``atomic_dir``) once the
+        program loads and the manifest (written last) lists every file's sha256: at every
+        instant ``out_dir`` holds either the previous complete export with its manifest or the
+        new one. ``calibration`` is unused: torchao's schemes here are dynamic.
         """
         opts = options if isinstance(options, ExecuTorchOptions) else ExecuTorchOptions.model_validate(options or {})
         out_dir = Path(out_dir)
-        data, details = lower_to_pte(model, tokenizer, opts, log=log)
-        pte = out_dir / PTE_NAME
-        with atomic_path(pte) as tmp:
-            tmp.write_bytes(data)
-        files = [pte]
-        with tempfile.TemporaryDirectory(prefix=".tokenizer.", dir=out_dir) as tdir:
-            tokenizer.save_pretrained(tdir)
-            for src in sorted(Path(tdir).iterdir()):
-                if src.is_file():
-                    with atomic_path(out_dir / src.name) as tmp:
-                        tmp.write_bytes(src.read_bytes())
-                    files.append(out_dir / src.name)
-
-        runner = ExecuTorchRunner(pte)  # the artifact must load before we call it shipped
-        details["runtime"] = runner.describe()
+        if opts.weights == "embedded":
+            (data, details), ptd = lower_to_pte(model, tokenizer, opts, log=log), None
+        else:
+            data, ptd, details = lower_program(model, tokenizer, opts, log=log)
         config = getattr(model, "config", None)
-        manifest = {
-            "format": "executorch",
-            "artifact": PTE_NAME,
-            "model": getattr(config, "name_or_path", None) or getattr(config, "model_type", "unknown"),
-            "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
-            "schemes": {
-                "quantize_option": opts.quantize,
-                "lm_head": opts.lm_head,
-                "group_size": opts.group_size if "8da4w" in details["quantization"]["linear"] else None,
-                **details["quantization"],
-            },
-            "backend": "xnnpack",
-            "max_seq_len": runner.max_seq_len,
-            "max_prefill_chunk": runner.max_chunk,
-            "vocab_size": runner.vocab_size,
-            "delegation": details["delegation"],
-            "size_bytes": pte.stat().st_size,
-            "files": {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in files},
-            "toolchain": _toolchain(),
-            "options": opts.model_dump(),
-        }
-        atomic_write_json(out_dir / MANIFEST_NAME, manifest)
-        files.append(out_dir / MANIFEST_NAME)
+        with atomic_dir(out_dir) as tmp:
+            (tmp / PTE_NAME).write_bytes(data)
+            if ptd is not None:
+                (tmp / PTD_NAME).write_bytes(ptd)
+            tokenizer.save_pretrained(tmp)
+            written = sorted(f for f in tmp.iterdir() if f.is_file())
+            runner = ExecuTorchRunner(tmp / PTE_NAME)  # the artifact must load before we call it shipped
+            manifest = {
+                "format": "executorch",
+                "artifact": PTE_NAME,
+                "model": getattr(config, "name_or_path", None) or getattr(config, "model_type", "unknown"),
+                "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+                "schemes": {
+                    "quantize_option": opts.quantize,
+                    "lm_head": opts.lm_head,
+                    "group_size": opts.group_size if "8da4w" in details["quantization"]["linear"] else None,
+                    **details["quantization"],
+                },
+                "backend": "xnnpack",
+                "max_seq_len": runner.max_seq_len,
+                "max_prefill_chunk": runner.max_chunk,
+                "vocab_size": runner.vocab_size,
+                "llm_ops": details["llm_ops"],
+                "delegation": details["delegation"],
+                "weights": opts.weights,
+                "tied_embedding": details["weights"]["tied_embedding"],
+                "size_bytes": (tmp / PTE_NAME).stat().st_size + (len(ptd) if ptd is not None else 0),
+                "files": {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in written},
+                "toolchain": _toolchain(),
+                "options": opts.model_dump(),
+            }
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+            del runner
+        pte = out_dir / PTE_NAME
+        details["runtime"] = ExecuTorchRunner(pte).describe()
         details["size_bytes"] = manifest["size_bytes"]
         details["toolchain"] = manifest["toolchain"]
+        files = [out_dir / f.name for f in written] + [out_dir / MANIFEST_NAME]
         return ExportResult(artifact=pte, files=files, manifest=manifest, details=details)
+
+    def check_model(self, config: Any, options: ExportOptions) -> list[str]:
+        """Refuse at validation what cannot export: architectures outside the custom-op path,
+        max_seq_len beyond max_position_embeddings, layer kinds or attention soft-capping that
+        ``llama::custom_sdpa`` cannot run, group sizes that do not divide the layers."""
+        opts = options if isinstance(options, ExecuTorchOptions) else ExecuTorchOptions.model_validate(options or {})
+        return model_problems(config, opts)
 
     def load(self, artifact: Path, **kwargs) -> ExecuTorchRunner:
         """Load a ``.pte`` as a runner; ``threads=N`` resizes ExecuTorch's threadpool."""

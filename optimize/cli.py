@@ -169,7 +169,7 @@ def cmd_run(args) -> int:
     from optimize.generate import generate_from_artifact
 
     generate_from_artifact(Path(args.artifact), args.prompt, max_new_tokens=args.max_new_tokens,
-                           chat=args.chat, threads=args.threads, stream=sys.stdout)
+                           chat=args.chat, threads=args.threads, stream=sys.stdout, runner=args.runner)
     return 0
 
 
@@ -192,6 +192,20 @@ def cmd_train(args) -> int:
     report = run_training(recipe)
     print(json.dumps(report.model_dump(mode="json") if hasattr(report, "model_dump") else report, indent=2, default=str))
     return 0
+
+
+_SENSITIVITY_GROUPS = ("blocks", "projections", "lm_head", "embeddings", "modules")
+
+
+def _sensitivity_groups(text: str) -> list[str]:
+    """``--groups blocks,lm_head``: one comma-separated value, so that overrides after it stay
+    overrides (``nargs="+"`` would swallow them)."""
+    groups = [g.strip() for g in text.split(",") if g.strip()]
+    bad = [g for g in groups if g not in _SENSITIVITY_GROUPS]
+    if not groups or bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown group(s) {', '.join(bad) or repr(text)}; choose from {', '.join(_SENSITIVITY_GROUPS)}")
+    return groups
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     s.add_argument("--threads", type=int, default=None)
+    s.add_argument("--runner", choices=["auto", "llm", "python"], default="auto",
+                   help=".pte: ExecuTorch's C++ text runner when the program allows it (auto, the default), "
+                   "always (llm: an error if it cannot), or the Python loop (python)")
     s.set_defaults(fn=cmd_run)
 
     s = command("sensitivity", help="rank module groups by how much quantizing each alone costs")
@@ -241,9 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scheme", choices=["8da4w", "8da8w", "w4", "w8", "w8a8-tensor"],
                    help="default: the config's ptq stage scheme, or its ONNX Runtime quantize mode "
                    "(w8a8-tensor = ORT's per-tensor dynamic/static activations)")
-    s.add_argument("--groups", nargs="+", default=["blocks", "projections", "lm_head", "embeddings"],
-                   choices=["blocks", "projections", "lm_head", "embeddings", "modules"],
-                   help="how to group modules (each group is quantized alone)")
+    s.add_argument("--groups", type=_sensitivity_groups, default=list(_SENSITIVITY_GROUPS[:4]),
+                   help="how to group modules, comma-separated (each group is quantized alone): "
+                   f"{','.join(_SENSITIVITY_GROUPS)}; default {','.join(_SENSITIVITY_GROUPS[:4])}")
     s.add_argument("--windows", type=int, default=4, help="calibration windows scored per group")
     s.add_argument("--seq-len", type=int, default=256)
     s.add_argument("--algorithm", choices=["rtn", "hqq"], default="rtn", help="weight scale choice")

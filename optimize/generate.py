@@ -1,55 +1,142 @@
-"""Generate text from a shipped artifact, so users can try exactly what they exported."""
+"""Generate text from a shipped artifact, so users can try exactly what they exported.
+
+A ``.pte`` runs through ExecuTorch's C++ text runner (``TextLLMRunner``, what Android and iOS
+apps link) whenever the program and its tokenizer allow it; otherwise, and for ``.onnx``, through
+the Python loop over :class:`~export.runtime.Runner`. Falling back is never silent: the reason is
+logged. Both give the same greedy tokens for the same ids (tested).
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
 from export.runtime import RunnerError, greedy_generate
 
+log = logging.getLogger(__name__)
+
+RunnerChoice = Literal["auto", "llm", "python"]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
 
 def generate_from_artifact(
     artifact: Path, prompt: str, *, max_new_tokens: int = 64, chat: bool = False, threads: int | None = None,
-    stream: TextIO | None = sys.stdout,
+    stream: TextIO | None = sys.stdout, runner: RunnerChoice = "auto", say: Callable[[str], None] | None = _stderr,
 ) -> str:
     """Greedy-generate from ``artifact`` (a .pte or .onnx with tokenizer files beside it),
-    streaming text to ``stream`` as it is produced; returns the generated text."""
+    streaming text to ``stream`` as it is produced; returns the generated text.
+
+    ``runner``: ``auto`` takes ExecuTorch's C++ runner for a .pte when it can (else logs why not and
+    uses the Python loop), ``llm`` requires it (a clear error if it cannot), ``python`` skips it.
+    ``say`` gets one line with the C++ runner's own timing stats."""
     from transformers import AutoTokenizer
 
     artifact = Path(artifact)
-    if not artifact.is_file():
+    if not artifact.exists():  # a file, or an export directory its exporter recognises (onnxruntime-genai)
         raise FileNotFoundError(f"artifact not found: {artifact}")
+    if runner not in ("auto", "llm", "python"):
+        raise ValueError(f"runner must be auto, llm or python, got {runner!r}")
     try:
-        tok = AutoTokenizer.from_pretrained(artifact.parent, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(artifact if artifact.is_dir() else artifact.parent, local_files_only=True)
     except Exception as exc:
         raise RunnerError(f"no tokenizer files beside {artifact} ({type(exc).__name__}: {exc})") from None
     if threads is not None:
         import torch
 
         torch.set_num_threads(threads)
-    runner = exporter_for_artifact(artifact).load(artifact)
+    exporter = exporter_for_artifact(artifact)
+    loaded = exporter.load(artifact, threads=threads) if exporter.name == "executorch" else exporter.load(artifact)
     if chat and getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding, not a list of ids
-            ids = ids["input_ids"]
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
-        ids = tok(prompt, add_special_tokens=True)["input_ids"]
+        text, ids = prompt, tok(prompt, add_special_tokens=True)["input_ids"]
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    produced: list[int] = []
+    limit = loaded.max_seq_len
+    if limit is not None:
+        if len(ids) >= limit:
+            raise RunnerError(f"the prompt is {len(ids)} tokens; {artifact.name} holds max_seq_len={limit} "
+                              "(prompt + generated); shorten it or export with a larger max_seq_len")
+        # ExecuTorch's runner stops with prompt + new = max_seq_len; the loop is held to the same
+        max_new_tokens = min(max_new_tokens, limit - len(ids))
     printed = ""
 
+    def write(piece: str) -> None:
+        nonlocal printed
+        printed += piece
+        if stream is not None and piece:
+            stream.write(piece)
+            stream.flush()
+
+    if runner != "python":
+        done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm", say=say)
+        if done is not None:
+            if stream is not None:
+                stream.write("\n")
+            return done
+    produced: list[int] = []
+
     def on_token(t: int) -> None:
+        # ``printed`` may already hold what the C++ runner streamed before it gave up; decoding is
+        # greedy, so the loop produces the same text and only what goes beyond it is written.
         nonlocal printed
         produced.append(t)
-        text = tok.decode(produced, skip_special_tokens=True)
-        if stream is not None and text.startswith(printed):
-            stream.write(text[len(printed):])
-            stream.flush()
-        printed = text
+        now = tok.decode(produced, skip_special_tokens=True)
+        if now.startswith(printed):
+            write(now[len(printed):])
+        elif not printed.startswith(now):
+            printed = now  # the decoded text changed under what was shown (a multi-byte character completed)
 
-    greedy_generate(runner, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
+    greedy_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
     if stream is not None:
         stream.write("\n")
     return tok.decode(produced, skip_special_tokens=True)
+
+
+def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int, write: Callable[[str], None], *,
+                     required: bool, say: Callable[[str], None] | None) -> str | None:
+    """Generate with ExecuTorch's C++ runner; None (reason logged) where it cannot serve this artifact."""
+    from export.executorch_llm_runner import LLMRunnerUnavailable
+
+    if not hasattr(loaded, "llm_runner"):
+        if required:
+            raise RunnerError(f"--runner llm: {loaded.runtime} artifacts have no C++ LLM runner (ExecuTorch .pte only)")
+        return None
+    try:
+        llm = loaded.llm_runner()
+        prompt_text, num_bos = llm.prompt_for(tok, ids, text=text)
+        eos = llm.eos_ids
+        held = ""  # a piece that may be the final EOS is shown only once another piece follows it
+
+        def on_piece(piece: str) -> None:
+            nonlocal held
+            write(held)
+            held = piece if llm.may_be_eos(piece) else ""
+            if not held:
+                write(piece)
+
+        gen = llm.generate(prompt_text, max_new_tokens, num_bos=num_bos, on_piece=on_piece)
+        if not (gen.stopped_at_eos and gen.ids and (gen.ids[-1] in eos or gen.ids[-1] is None)):
+            write(held)
+    except LLMRunnerUnavailable as exc:
+        if required:
+            raise RunnerError(f"ExecuTorch's C++ LLM runner cannot run {loaded.path.name}: {exc}") from None
+        log.warning("using the Python loop instead of ExecuTorch's C++ LLM runner: %s", exc)
+        return None
+    s = gen.stats
+    if say is not None:
+        say(f"[ExecuTorch TextLLMRunner] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_ms']:.0f} ms, "
+            f"decode {_rate(s['decode_tok_s'])} tok/s over {s['generated_tokens']} tokens, "
+            f"first token {s['ttft_ms']:.0f} ms")
+    return tok.decode([i for i in gen.ids if i is not None], skip_special_tokens=True) if None not in gen.ids \
+        else gen.text
+
+
+def _rate(x: float | None) -> str:
+    return f"{x:.1f}" if x is not None else "-"

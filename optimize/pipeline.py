@@ -391,6 +391,16 @@ def _measure_runner(state: _RunState, model: torch.nn.Module, runner: Runner, de
             details["greedy"] = _greedy_compare(eager, runner, state)
     if cfg.checks.latency.enabled:
         _fill_latency(m, runner, state)
+        if hasattr(runner, "llm_runner_report"):  # a .pte: also through the C++ runner that apps embed
+            lat = cfg.checks.latency
+            rep = details["llm_runner"] = runner.llm_runner_report(
+                state.prompt, state.tokenizer, greedy_tokens=max(1, cfg.checks.generate_tokens),
+                decode_tokens=lat.decode_tokens, runs=lat.runs, warmup=lat.warmup)
+            if rep["used"]:
+                s = rep["stats"]
+                state.say(f"ExecuTorch C++ runner: greedy {'matches' if rep['greedy']['match'] else 'DIFFERS from'} "
+                          f"the Python loop; prefill {s['prefill_ms']:.0f} ms ({s['prompt_tokens']} tokens), "
+                          f"decode {s['decode_tok_s'] or 0:.1f} tok/s")
     return m
 
 

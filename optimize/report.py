@@ -133,6 +133,29 @@ def precision_lines(report: Report) -> list[str]:
     return lines
 
 
+def runtime_lines(report: Report) -> list[str]:
+    """One line per export row whose exporter reported delegation (the fraction of ops the backend
+    runs, the portable ops left) or ExecuTorch's C++ runner (its own stats, greedy vs the Python loop)."""
+    lines = []
+    for r in report.rows:
+        d = r.details
+        deleg = d.get("delegation")
+        if deleg:
+            ops = ", ".join(f"{k} {v}" for k, v in (deleg.get("portable_ops") or {}).items()) or "none"
+            lines.append(f"- {r.name}: {deleg.get('delegated_fraction', 0):.1%} of ops delegated "
+                         f"({deleg.get('delegated_subgraphs')} subgraphs); portable ops left: {ops}")
+        llm = d.get("llm_runner")
+        if llm and llm.get("used"):
+            s, g = llm["stats"], llm["greedy"]
+            rate = f"{s['decode_tok_s']:.1f}" if s.get("decode_tok_s") else "-"
+            lines.append(f"- {r.name}, ExecuTorch C++ runner (TextLLMRunner): prefill {s['prefill_ms']:.0f} ms for "
+                         f"{s['prompt_tokens']} tokens, decode {rate} tok/s; greedy {g['tokens']} tokens "
+                         + ("equal the Python loop's" if g["match"] else f"differ from the Python loop's at {g['diverged_at']}"))
+        elif llm:
+            lines.append(f"- {r.name}, ExecuTorch C++ runner not used: {llm.get('reason')}")
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     out = [f"# Pipeline report: {report.name}", ""]
     verdict = "all gates passed" if report.ok else f"STOPPED at {report.stopped_at}"
@@ -146,6 +169,9 @@ def render_markdown(report: Report) -> str:
     precision = precision_lines(report)
     if precision:
         out += ["## Precision of the Linear layers", *precision, ""]
+    runtime = runtime_lines(report)
+    if runtime:
+        out += ["## Export runtime", *runtime, ""]
     gate_lines = [f"- {r.name}: {'ok' if g.ok else 'FAILED'} — {g.message}" for r in report.rows for g in r.gates]
     if gate_lines:
         out += ["## Gates", *gate_lines, ""]

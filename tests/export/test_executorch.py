@@ -1,6 +1,6 @@
 """ExecuTorch target: static-KV-cache .pte parity per scheme, the runner, the shipped directory,
-the refused int8 weight-only scheme and the error messages. Three tiny exports (shared by
-module fixtures) keep this to a few minutes; the SmolLM2 export is ``slow``."""
+the refused int8 weight-only scheme and the error messages. Five tiny exports (one module
+fixture, about 2 minutes on 2 free cores) serve every test; the SmolLM2 export is ``slow``."""
 
 from __future__ import annotations
 
@@ -17,12 +17,11 @@ from export.executorch import ExecuTorchExporter, ExecuTorchOptions, _apply_quan
 from export.executorch_runtime import ExecuTorchRunner
 from export.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import greedy_match, logits_parity
+from tests.conftest import TINY_CONFIGS  # the shared tiny configs (one definition)
 
 # SmolLM2's vocabulary; initializer_range 0.2 makes greedy decoding vary token to token, so a
 # broken KV cache cannot hide behind a constant output.
-TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024, tie_word_embeddings=True,
-            rope_theta=100000.0, initializer_range=0.2)
+TINY = {**TINY_CONFIGS["llama"], "initializer_range": 0.2}
 MAX_SEQ_LEN = 48
 
 # lowering dominates; generous for a contended machine (about 2 min on 2 free cores)
@@ -49,6 +48,8 @@ def ids():
 #          "prequantized" = an earlier stage quantized it and the exporter takes it as given)
 SCHEMES = {
     "fp32": ({}, None),
+    # the same fp32 program with its weights in model.ptd (tied embedding and lm_head stored once)
+    "fp32-ptd": ({"weights": "external"}, None),
     "8da4w": ({"quantize": "8da4w", "group_size": 32, "embedding_quantize": "int4"}, "options"),
     "8da8w": ({"quantize": "none", "embedding_quantize": "int8", "lm_head": "same"}, "prequantized"),
     # ptq_int8 with GPTQ and a hand-listed mix: block 0 fp32, lm_head 8da8w, block 1 8da4w
@@ -87,7 +88,7 @@ def exported(tiny, tmp_path_factory):
             _prequantize_mixed(model)
         res = ExecuTorchExporter().export(model, tiny.tokenizer, root / name, {**opts, "max_seq_len": MAX_SEQ_LEN},
                                           log=_quiet)
-        if how in ("options", "prequantized"):  # the same torchao quantization the exporter applied to its copy
+        if how is not None:  # the same torchao quantization the exporter applied to its copy (auto embedding too)
             _apply_quantization(model, ExecuTorchOptions(**opts))
         out[name] = (res, model)
     return out
@@ -108,13 +109,13 @@ def test_parity_and_greedy(exported, ids, scheme):
     res, model = exported[scheme]
     runner = ExecuTorchExporter().load(res.artifact)
     ref = EagerRunner(model)
-    # 47 tokens = one full prefill chunk; a second window of MAX_SEQ_LEN tokens needs two chunks
+    # a 47-token window, then a window of MAX_SEQ_LEN tokens: the whole cache in one prefill call
     windows = [ids[:47], ids[47 : 47 + MAX_SEQ_LEN]]
     parity = logits_parity(ref, runner, windows)
     assert parity["tokens"] == 47 + MAX_SEQ_LEN
     g = greedy_match(ref, runner, ids[:6], 20)
     assert len(set(g["ref_ids"])) > 3, "greedy output should vary (a constant output hides cache bugs)"
-    if scheme == "fp32":
+    if scheme.startswith("fp32"):
         assert parity["max_abs_diff"] < 1e-4 and parity["top1_agreement"] == 1.0, parity
         assert g["match"], g
         return
@@ -132,8 +133,27 @@ def test_quantization_recorded(exported):
     assert exported["8da4w"][0].details["quantization"]["linear"] == {"8da4w": 15}
     # the model an earlier stage quantized is exported as given, and recorded as such
     assert exported["8da8w"][0].manifest["schemes"]["linear"] == {"8da8w": 15}
+    # embedding_quantize: auto quantizes the table of a quantized model whose table dominates the
+    # program (here 49152 x 64 fp32 against a 2-layer body), and leaves an fp32 export exact
+    mixed = exported["mixed"][0].details["quantization"]
+    assert mixed["embedding"] == "int8" and mixed["embedding_auto"]["quantized_to"] == "int8"
+    assert mixed["embedding_auto"]["fp32_table_share"] > 0.25
+    assert q["embedding_auto"] == {"quantized_to": None, "fp32_table_share": None}
     sizes = {k: v[0].artifact.stat().st_size for k, v in exported.items()}
     assert sizes["8da4w"] < sizes["8da8w"] < sizes["fp32"] / 2, sizes
+
+
+def test_tied_embedding_is_stored_once_with_external_weights(exported):
+    """A single .pte holds a tied fp32 table twice (a program constant for the embedding lookup,
+    and XNNPACK's copy for lm_head); with weights: external both go to model.ptd, which stores
+    identical bytes once."""
+    table = TINY["vocab_size"] * TINY["hidden_size"] * 4
+    embedded, external = exported["fp32"][0], exported["fp32-ptd"][0]
+    assert embedded.manifest["size_bytes"] > 2 * table
+    assert external.manifest["size_bytes"] < 1.1 * table, external.manifest["size_bytes"]
+    assert {"model.pte", "model.ptd"} <= set(external.manifest["files"])
+    assert external.details["weights"]["pte_bytes"] < 0.01 * table
+    assert ExecuTorchRunner(external.artifact).size_bytes() == external.manifest["size_bytes"]
 
 
 def test_exported_graph_has_the_mix_the_stage_chose(exported):
@@ -150,9 +170,17 @@ def test_exported_graph_has_the_mix_the_stage_chose(exported):
 
 
 def test_delegation_reported(exported):
+    """The row reports the delegated fraction and the short list of ops left outside XNNPACK:
+    the cache update and attention are ExecuTorch's LLM ops, and no mask or GQA copy remains."""
     d = exported["fp32"][0].details["delegation"]
     assert 0 < d["delegated_fraction"] < 1 and d["delegated_subgraphs"] > 0
-    assert "aten_index_put_default" in d["portable_ops"]  # the static KV-cache update stays portable
+    portable = d["portable_ops"]
+    assert portable["llama_custom_sdpa_default"] == TINY["num_hidden_layers"], portable
+    for gone in ("aten_index_put_default", "aten_expand_copy_default", "aten_mean_dim", "aten_where_self",
+                 "aten_logical_not_default", "aten_arange_start_step"):
+        assert gone not in portable, (gone, portable)
+    ops = exported["fp32"][0].details["llm_ops"]
+    assert ops["llama::update_cache"] == 2 * TINY["num_hidden_layers"] and ops["rms_norm_swapped"] == 5
 
 
 def test_shipped_directory_and_load_from_path(exported, tiny):
@@ -196,6 +224,31 @@ def test_runner_positions_and_limit(exported, ids):
     assert len(new) == MAX_SEQ_LEN - 40 + 1 and runner.position == MAX_SEQ_LEN
 
 
+@pytest.mark.parametrize("fail_at", ["program", "tokenizer"])
+def test_a_failed_export_leaves_the_previous_one_whole(exported, tiny, tmp_path, monkeypatch, fail_at):
+    """The new export is built beside the old one and swapped in whole: a failure after the
+    program bytes exist (a program that does not load, a tokenizer that cannot be written)
+    leaves the previous model.pte, tokenizer and manifest, every sha256 still matching."""
+    import shutil
+
+    import export.executorch as et
+
+    out = tmp_path / "shipped"
+    shutil.copytree(exported["fp32"][0].artifact.parent, out)
+    before = json.loads((out / "manifest.json").read_text())
+    good = (out / "model.pte").read_bytes()
+    monkeypatch.setattr(et, "lower_to_pte", lambda *a, **k: (b"not a program" * 100 if fail_at == "program" else good, {}))
+    tok = copy.deepcopy(tiny.tokenizer)
+    if fail_at == "tokenizer":
+        monkeypatch.setattr(tok, "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(RunnerError if fail_at == "program" else OSError):
+        ExecuTorchExporter().export(tiny.model, tok, out, {"max_seq_len": MAX_SEQ_LEN}, log=_quiet)
+    assert json.loads((out / "manifest.json").read_text()) == before
+    for name, entry in before["files"].items():
+        assert sha256_file(out / name) == entry["sha256"], name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shipped"], "temporary directories left behind"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "missing"])
 def test_corrupted_pte_is_a_clear_error(exported, tmp_path, damage):
     data = exported["fp32"][0].artifact.read_bytes()
@@ -218,10 +271,11 @@ def test_corrupted_pte_is_a_clear_error(exported, tmp_path, damage):
     [
         ({"quantize": "int8wo"}, "quantize\n  Input should be 'none', '8da4w' or '8da8w'"),
         ({"group_size": 0}, "group_size\n  Input should be greater than 0"),
-        ({"embedding_quantize": "int2"}, "embedding_quantize\n  Input should be 'int8' or 'int4'"),
+        ({"embedding_quantize": "int2"}, "embedding_quantize\n  Input should be 'auto', 'int8' or 'int4'"),
         ({"max_seq_len": 1}, "max_seq_len\n  Input should be greater than or equal to 2"),
         ({"lm_head": "int4"}, "lm_head\n  Input should be 'same', 'fp32' or '8da8w'"),
         ({"dtype": "bfloat16"}, "dtype\n  Input should be 'float32'"),
+        ({"weights": "ptd"}, "weights\n  Input should be 'embedded' or 'external'"),
         ({"max_seqlen": 64}, "unknown key 'max_seqlen' (did you mean 'max_seq_len'?)"),
     ],
 )
@@ -239,7 +293,8 @@ def test_every_option_is_described():
 @pytest.mark.parametrize(
     "opts, message",
     [
-        ({"quantize": "8da4w", "group_size": 48}, "group_size=48 does not divide the in_features of"),
+        ({"quantize": "8da4w", "group_size": 48}, "group_size=48 is not a multiple of 32"),
+        ({"quantize": "8da4w", "group_size": 96}, "group_size=96 does not divide the in_features of"),
         ({"embedding_quantize": "int4", "embedding_group_size": 48}, "embedding_group_size=48 does not divide"),
         ({"max_seq_len": 4096}, "max_seq_len=4096 exceeds the model's max_position_embeddings=1024"),
     ],
@@ -299,3 +354,31 @@ def test_smollm2_export_end_to_end(smollm2_loaded, smollm2_tokenizer, pydoc_spli
     g = greedy_match(ref, runner, prompt, 12)
     assert g["match"], g
     assert "Paris" in smollm2_tokenizer.decode(g["test_ids"])
+
+
+@pytest.mark.slow
+def test_quantized_embedding_with_a_padding_idx_lowers_and_matches_eager(tmp_path):
+    """SmolLM2 sets pad_token_id, so its nn.Embedding has a padding_idx; ExecuTorch's quant fusion
+    only matches embedding calls without one, and left torchao's dequantize_affine unlowerable
+    ("Missing out variants"). Tied table, lm_head fp32, embedding int8 per row, Linears 8da8w: the
+    program must lower and agree with its eager twin (the same options applied by the exporter's
+    own quantization code), the pad id included."""
+    from export.executorch_quant import _apply_quantization
+    from train.sources import RandomSource, load_model
+
+    cfg = {**TINY, "num_hidden_layers": 1, "pad_token_id": 2, "tie_word_embeddings": True}
+    loaded = load_model(RandomSource(config=cfg, seed=0))
+    assert loaded.model.get_input_embeddings().padding_idx == 2
+    opts = {"max_seq_len": MAX_SEQ_LEN, "embedding_quantize": "int8", "lm_head": "fp32", "quantize": "8da8w"}
+    result = ExecuTorchExporter().export(loaded.model, loaded.tokenizer, tmp_path, opts, log=_quiet)
+    twin = copy.deepcopy(loaded.model).eval()
+    _apply_quantization(twin, ExecuTorchOptions(**opts))
+    assert quantization_mix(twin).get("8da8w") == 7
+    tokens = torch.tensor([5, 2, 9, 2, 17])  # the pad id itself embeds like any other token
+    with torch.no_grad():
+        expected = twin(tokens[None]).logits[0]
+    got = ExecuTorchRunner(result.artifact).forward(tokens)
+    assert got.shape == expected.shape
+    tol = 2e-2 * expected.abs().max().item()  # 8da8w's dynamic activation rounding differs slightly
+    assert (got - expected).abs().max().item() <= tol, (got - expected).abs().max()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))

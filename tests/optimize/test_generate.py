@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from export.base import get_exporter
@@ -28,6 +29,12 @@ def test_run_streams_greedy_text_from_exported_onnx(tiny_llama_config, smollm2_t
     expected = smollm2_tokenizer.decode(expected_ids, skip_special_tokens=True).strip()
     assert len(expected_ids) >= 1 and expected, "the check needs visible text"
     assert streamed == expected
+    # --runner python is the same loop; --runner llm needs ExecuTorch's C++ runner, which .onnx has not
+    assert main(["run", str(res.artifact), "--prompt", prompt, "--chat", "--max-new-tokens", "6",
+                 "--runner", "python"]) == 0
+    assert capsys.readouterr().out.strip() == expected
+    assert main(["run", str(res.artifact), "--prompt", prompt, "--runner", "llm"]) == 2
+    assert "--runner llm: onnxruntime artifacts have no C++ LLM runner" in capsys.readouterr().err
 
 
 def test_run_without_tokenizer_files_is_a_clear_error(tiny_llama, smollm2_tokenizer, tmp_path, capsys):
@@ -37,3 +44,14 @@ def test_run_without_tokenizer_files_is_a_clear_error(tiny_llama, smollm2_tokeni
         f.unlink()
     assert main(["run", str(res.artifact), "--prompt", "hi"]) == 2
     assert "no tokenizer files beside" in capsys.readouterr().err
+
+
+def test_unknown_runner_choice_is_a_clear_error(tmp_path):
+    from optimize.generate import generate_from_artifact
+
+    art = tmp_path / "model.pte"
+    art.write_bytes(b"x")
+    with pytest.raises(ValueError, match="runner must be auto, llm or python, got 'cpp'"):
+        generate_from_artifact(art, "hi", runner="cpp")
+    with pytest.raises(SystemExit):  # the CLI offers only the three choices
+        main(["run", str(art), "--prompt", "hi", "--runner", "cpp"])
