@@ -282,6 +282,22 @@ def _set_implementation(hf: nn.Module, name: str) -> None:
             cfg._attn_implementation = name
 
 
+def auto_flash_attn(hf, cfg: AttentionConfig, device: torch.device, compute_dtype: torch.dtype) -> str | None:
+    """``"flash_attention_2"`` when nothing pins the backend and flash-attn can run here: a CUDA
+    device, the flash-attn package installed, fp16/bf16 compute, a model transformers can run on
+    it, and no option flash-attn lacks (global tokens, a forced SDPA kernel or blockwise windows).
+    Otherwise None: SDPA (or the model's own choice) stays."""
+    if cfg.backend is not None or cfg.sdpa_kernel != "auto" or cfg.global_tokens or cfg.window_impl == "blockwise":
+        return None
+    if device.type != "cuda" or compute_dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if not getattr(hf, "_supports_flash_attn", False) or hf.config._attn_implementation not in (None, "sdpa"):
+        return None
+    if importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available():
+        return None
+    return "flash_attention_2"
+
+
 def configure_attention(
     model: nn.Module, cfg: AttentionConfig, device: torch.device, compute_dtype: torch.dtype, seq_len: int
 ) -> AttentionSetup:
@@ -293,9 +309,14 @@ def configure_attention(
     if hf is None:
         return AttentionSetup("model's own", "model's own", "model's own", "auto")
     previous = hf.config._attn_implementation
+    auto = auto_flash_attn(hf, cfg, device, compute_dtype)
+    if auto:
+        log.info("attention: flash-attn is installed and this is CUDA %s: using flash_attention_2 "
+                 "(set train.attention.backend: sdpa to keep SDPA)", str(compute_dtype).removeprefix("torch."))
+        asks = True
     if not asks:  # nothing requested: keep whatever the model runs (the kernel is still observed)
         return AttentionSetup(str(previous), str(previous), previous, "auto")
-    impl = cfg.backend or previous or "sdpa"
+    impl = cfg.backend or auto or previous or "sdpa"
     if impl not in ("sdpa", "eager", "flash_attention_2", "flex_attention"):
         raise AttentionError(f"the model uses attention {impl!r}; set train.attention.backend explicitly")
     if cfg.sliding_window is not None and cfg.sliding_window >= seq_len:

@@ -131,7 +131,8 @@ class AttentionConfig(Strict):
         None,
         description="attention implementation: sdpa (default), eager (matmul + softmax), flash_attention_2 "
         "(flash-attn package, CUDA only), flex_attention (block-sparse masks; no backward on CPU in torch 2.13); "
-        "null keeps the model's (model.attn_implementation in a recipe)",
+        "null keeps the model's (model.attn_implementation in a recipe), except that on CUDA with the flash-attn "
+        "package installed and fp16/bf16 compute it picks flash_attention_2",
     )
     sdpa_kernel: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
         "auto",

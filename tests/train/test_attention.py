@@ -196,3 +196,32 @@ def test_observed_kernel_accounts_for_autocast():
     with setup.context(), torch.autocast("cpu", dtype=torch.bfloat16), KernelRecorder() as rec:
         model(input_ids=torch.randint(0, 503, (1, 64)))
     assert list(rec.observed()) == ["sdpa:flash"]
+
+
+def test_flash_attn_is_picked_on_cuda_only_when_installed_and_nothing_pins_the_backend(monkeypatch):
+    """The decision is testable without a GPU: CUDA availability and the package are faked; the
+    kernels themselves need a GPU (no GPU in CI: the flash-attn forward is not exercised here)."""
+    import importlib.util
+
+    import train.attention as attention
+    from train.attention import auto_flash_attn
+
+    eager = _model("llama")  # built with attn_implementation="eager": the model's own choice is kept
+    model = copy.deepcopy(eager)
+    model.set_attn_implementation("sdpa")
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+    assert auto_flash_attn(model, AttentionConfig(), cuda, bf16) == "flash_attention_2"
+    # anything that pins SDPA, or that flash-attn cannot do, or another device/dtype keeps SDPA
+    assert auto_flash_attn(model, AttentionConfig(backend="sdpa"), cuda, bf16) is None
+    assert auto_flash_attn(model, AttentionConfig(sdpa_kernel="math"), cuda, bf16) is None
+    assert auto_flash_attn(model, AttentionConfig(sliding_window=64, global_tokens=4), cuda, bf16) is None
+    assert auto_flash_attn(model, AttentionConfig(), torch.device("cpu"), bf16) is None
+    assert auto_flash_attn(model, AttentionConfig(), cuda, torch.float32) is None
+    assert auto_flash_attn(eager, AttentionConfig(), cuda, bf16) is None
+    monkeypatch.setattr(attention.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
+    assert auto_flash_attn(model, AttentionConfig(), cuda, bf16) is None
