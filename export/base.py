@@ -81,6 +81,23 @@ class Exporter(abc.ABC):
         return None
 
 
+#: the packages whose versions decide what an ExecuTorch program (.pte, and TorchChat's files) holds
+EXECUTORCH_TOOLCHAIN = ("torch", "executorch", "torchao", "transformers")
+
+
+def package_versions(*packages: str) -> dict[str, str]:
+    """Installed versions for an artifact's manifest ("not installed" for a missing package)."""
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in packages:
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
 # name -> "module:Class", imported on first use so that importing ``export`` stays cheap.
 _EXPORTERS: dict[str, str] = {
     "executorch": "export.executorch:ExecuTorchExporter",

@@ -30,7 +30,7 @@ import torch
 from pydantic import Field
 
 from targets.atomic import atomic_dir, sha256_file
-from export.base import ExportError, ExportOptions, ExportResult, Exporter
+from export.base import EXECUTORCH_TOOLCHAIN, ExportError, ExportOptions, ExportResult, Exporter, package_versions
 from export.executorch_quant import _apply_quantization, _is_lm_head, _refuse_weight_only
 from export.executorch_runtime import ExecuTorchRunner
 from export.linear_schemes import (
@@ -102,18 +102,6 @@ class ExecuTorchOptions(ExportOptions):
 
 # ---------------------------------------------------------------------------------------------
 # export
-
-
-def _toolchain() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("torch", "executorch", "torchao", "transformers"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
 
 
 def _tokenizer_type(tokenizer: Any) -> int:
@@ -467,7 +455,7 @@ class ExecuTorchExporter(Exporter):
                 "tied_embedding": details["weights"]["tied_embedding"],
                 "size_bytes": (tmp / PTE_NAME).stat().st_size + (len(ptd) if ptd is not None else 0),
                 "files": {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in written},
-                "toolchain": _toolchain(),
+                "toolchain": package_versions(*EXECUTORCH_TOOLCHAIN),
                 "options": opts.model_dump(),
             }
             (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, default=str) + "\n")

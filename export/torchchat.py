@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal, Sequence
 import torch
 from pydantic import Field
 
-from export.base import ExportError, ExportOptions, ExportResult, Exporter
+from export.base import EXECUTORCH_TOOLCHAIN, ExportError, ExportOptions, ExportResult, Exporter, package_versions
 from export.runtime import Runner
 from export.torchchat_layout import config_problems, meta_state_dict, torchchat_params
 from export.torchchat_runmd import quantization_summary, render_run_md, torchchat_quantize
@@ -140,18 +140,6 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
-def _toolchain() -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("torch", "executorch", "torchao", "transformers"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 class TorchChatExporter(Exporter):
     name = "torchchat"
     options_model = TorchChatOptions
@@ -251,7 +239,7 @@ class TorchChatExporter(Exporter):
                 "quantization": pth_details["quantization"],
                 "torchchat_quantize": quantize,
                 "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in names},
-                "toolchain": _toolchain(),
+                "toolchain": package_versions(*EXECUTORCH_TOOLCHAIN),
                 "options": opts.model_dump(),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
