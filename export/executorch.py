@@ -92,6 +92,13 @@ class ExecuTorchOptions(ExportOptions):
         "model.pte plus model.ptd, loaded together; identical tensors are stored once, so a tied embedding "
         "and lm_head of the same precision share storage, which a single .pte cannot do)",
     )
+    logits: Literal["last", "all"] = Field(
+        "last",
+        description="positions forward returns logits for: last (default; what generation and ExecuTorch's "
+        "runner read, so prefill skips the output projection for the rest of the prompt: 128 prompt tokens "
+        "x a 49k vocabulary is a third of SmolLM2's prefill) or all (every fed position; perplexity in the "
+        "runtime then takes one call per chunk instead of one per token)",
+    )
     tokenizer_type: int | None = Field(
         None,
         ge=0,
@@ -288,6 +295,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
+    from export.executorch_delegable import rotate_half_as_linear, static_reshapes
     from export.executorch_llm import ExecuTorchDecoder, plan_layers, swap_rms_norms, swap_tanh_gelus
 
     config = getattr(model, "config", None)
@@ -314,13 +322,13 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
 
     timings = {}
     t0 = time.perf_counter()
-    decoder = ExecuTorchDecoder(model, plan, dtype=dtype).eval()
+    decoder = ExecuTorchDecoder(model, plan, dtype=dtype, last_logits=opts.logits == "last").eval()
     chunk = plan.max_chunk
     seq = torch.export.Dim("seq_len", min=1, max=chunk)
     example = min(4, chunk)
     log(f"executorch: torch.export (max_seq_len={n}, prefill chunk {chunk}, linear layers: {mix})")
     try:
-        with torch.no_grad():
+        with torch.no_grad(), rotate_half_as_linear(model, decoder) as rope_patched:
             ep = torch.export.export(
                 decoder,
                 (torch.zeros(1, example, dtype=torch.long), torch.arange(example)),
@@ -330,6 +338,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     except Exception as exc:
         raise ExportError(f"torch.export of {type(model).__name__} with ExecuTorch's LLM ops failed: {exc}") from exc
     timings["torch_export_s"] = time.perf_counter() - t0
+    reshapes = static_reshapes(ep)
     custom_ops = _check_custom_ops(ep, plan)
     graph_schemes = exported_linear_schemes(ep)
     check_mix(eager_schemes, graph_schemes)
@@ -364,7 +373,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     emb_scheme = linear_scheme(model.get_input_embeddings().weight).replace("wo", "")
     details = {"delegation": delegation,
                "llm_ops": {**custom_ops, "rms_norm_swapped": norms["swapped"], "rms_norm_kept": norms["kept"],
-                           "tanh_gelu_swapped": gelus,
+                           "tanh_gelu_swapped": gelus, "rotate_half_as_linear": bool(rope_patched),
+                           "static_reshapes": reshapes, "logits": opts.logits,
                            "prefill_chunk": chunk, "sliding_windows": plan.windows,
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,

@@ -351,15 +351,20 @@ def swap_tanh_gelus(model: nn.Module) -> int:
 
 
 class ExecuTorchDecoder(nn.Module):
-    """``forward(tokens[1, T], input_pos[T]) -> logits[1, T, V]`` with the cache as buffers.
+    """``forward(tokens[1, T], input_pos[T]) -> logits[1, T, V]`` (``[1, 1, V]`` with
+    ``last_logits``) with the cache as buffers.
 
     Attaches the call state and each layer's plan to the model's attention modules (found by
     their ``layer_idx``) and switches the model's attention implementation to
     :data:`ATTN_NAME`: give it a copy of the model.
     """
 
-    def __init__(self, model: nn.Module, plan: ModelPlan, dtype: torch.dtype = torch.float32):
+    def __init__(self, model: nn.Module, plan: ModelPlan, dtype: torch.dtype = torch.float32,
+                 last_logits: bool = False):
         super().__init__()
+        #: return logits for the last fed position only (what generation reads): prefill then
+        #: skips the output projection for every other prompt token
+        self.last_logits = last_logits
         from executorch.examples.models.llama.attention import CachePositionsManager
         from executorch.examples.models.llama.source_transformation.custom_kv_cache import CustomKVCache
 
@@ -420,5 +425,6 @@ class ExecuTorchDecoder(nn.Module):
             position_ids=input_pos.unsqueeze(0),
             past_key_values=self.cache,
             use_cache=True,
+            logits_to_keep=1 if self.last_logits else 0,
         )
         return out.logits

@@ -58,22 +58,24 @@ def _model(family: str, **extra):
 
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
-    """family -> (eager model, .pte path, details), lowered on first use."""
+    """(family, logits) -> (eager model, .pte path, details), lowered on first use."""
     root = tmp_path_factory.mktemp("llm")
     cache: dict = {}
 
-    def get(family: str):
-        if family not in cache:
+    def get(family: str, logits: str = "last"):
+        key = (family, logits)
+        if key not in cache:
             model = _model(family)
             # hand qwen2 over in bfloat16: the exporter's dtype (float32) must really apply
             given = copy.deepcopy(model).to(torch.bfloat16) if family == "qwen2" else model
             if family == "qwen2":
                 model = copy.deepcopy(given).float()
-            data, details = lower_to_pte(given, _Tok(), ExecuTorchOptions(max_seq_len=MAX_SEQ_LEN), log=lambda *_: None)
-            path = root / f"{family}.pte"
+            opts = ExecuTorchOptions(max_seq_len=MAX_SEQ_LEN, logits=logits)
+            data, details = lower_to_pte(given, _Tok(), opts, log=lambda *_: None)
+            path = root / f"{family}-{logits}.pte"
             path.write_bytes(data)
-            cache[family] = (model, path, details)
-        return cache[family]
+            cache[key] = (model, path, details)
+        return cache[key]
 
     return get
 
@@ -117,15 +119,33 @@ def test_greedy_to_the_end_of_the_cache(lowered, ids, family):
 
 
 @pytest.mark.slow
-def test_whole_cache_in_one_prefill(lowered, ids):
-    """A full-attention program takes max_seq_len tokens in one call (not max_seq_len - 1)."""
-    model, path, details = lowered("qwen3")
+@pytest.mark.parametrize("logits", ["last", "all"])
+def test_whole_cache_in_one_prefill(lowered, ids, logits):
+    """A full-attention program takes max_seq_len tokens in one call (not max_seq_len - 1) and
+    returns the last position's logits (``logits: last``, the default) or every position's."""
+    model, path, details = lowered("qwen3", logits)
     runner = ExecuTorchRunner(path)
     assert details["metadata"]["get_max_prefill_chunk"] == MAX_SEQ_LEN == runner.max_chunk
-    out = runner.forward(ids)
+    assert details["llm_ops"]["logits"] == logits and runner.all_positions == (logits == "all")
+    out = runner.forward(ids, all_logits=False)
     with torch.no_grad():
         ref = model(ids[None]).logits[0]
-    assert runner.position == MAX_SEQ_LEN and (out - ref).abs().max() < 1e-4
+    assert runner.position == MAX_SEQ_LEN and out.shape == (1, VOCAB)
+    assert (out - ref[-1:]).abs().max() < 1e-4
+    if logits == "all":  # one call gave every position
+        runner.reset()
+        assert (runner.forward(ids) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gemma3-hybrid"])
+def test_all_position_logits_in_chunks(lowered, ids, family):
+    """``logits: all`` returns every fed position per call; fed in prefill chunks they match eager."""
+    model, path, _ = lowered(family, "all")
+    runner = ExecuTorchRunner(path)
+    assert runner.all_positions
+    parity = logits_parity(EagerRunner(model), runner, [ids[:13], ids])
+    assert parity["max_abs_diff"] < 1e-4 and parity["top1_agreement"] == 1.0, parity
 
 
 def _program_ops(path) -> list[str]:
@@ -162,6 +182,13 @@ def test_program_runs_the_custom_ops(lowered, family):
     assert not [o for o in ops if o in ("aten::expand_copy", "aten::mean")], sorted(set(ops))
     # the only index_put left writes a ring's slot positions, once per call
     assert ops.count("aten::index_put") == (1 if family == "mistral-sliding" else 0), sorted(set(ops))
+    # RoPE's rotate_half and the head reshapes run inside XNNPACK: between a layer's delegates
+    # only the cache updates, custom_sdpa and a free view; the one slice picks the last position
+    portable = [o for o in ops if not o.startswith("<delegate")]
+    assert "aten::unsqueeze_copy" not in portable and "aten::view_copy" not in portable, portable
+    assert portable.count("aten::slice_copy") == 1, portable
+    # what runs once per call stays small (a ring's slot indices and window mask: ~30 ops)
+    assert len(ops) - 5 * layers < (40 if family == "mistral-sliding" else 16), ops
 
 
 def _graph_ops(family: str, layers: int) -> dict[str, int]:
