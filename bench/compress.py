@@ -53,6 +53,8 @@ PRUNE_ROWS = {
     "sparse24": {"method": "semi_structured", "modules": ["*.mlp.*"], "score": "wanda"},
 }
 QAT_ROWS = ("qat",)
+#: the QAT row's three .pte results -> their directory names
+QAT_PTES = {"fp32_pte": "qat-fp32", "ptq_pte": "qat-ptq8da4w", "qat_pte": "qat-qat8da4w"}
 # Every Linear at 8da8w, lm_head included: decode reads lm_head for every token, and an fp32 head
 # (113 MB of a 238 MB .pte on SmolLM2) would hide what pruning the blocks saves.
 PTQ8 = dict(scheme="8da8w", keep_high_precision=[])
@@ -111,7 +113,7 @@ class Bench:
         size = runner.size_bytes()
         runner.close()
         return {"pte_mb": round(size / 2**20, 2), "decode_tok_s": round(lat["decode_tok_s"], 1),
-                "prefill_ms": round(lat["prefill_ms"], 1), "pte_ppl": round(ppl, 3), "pte_dir": name}
+                "prefill_ms": round(lat["prefill_ms"], 1), "pte_ppl": round(ppl, 3)}
 
     def ctx(self, work: Path, baseline=None):
         from optimize.stage_api import StageContext
@@ -165,7 +167,7 @@ class Bench:
             say(f"{name}: healed {steps} steps ({row['heal_tokens']} tokens), ppl {row['ppl_healed']}")
         get_stage("ptq_int8").fn(model, Ptq8Config(**PTQ8), self.ctx(self.work / name))
         row["ppl_8da8w"] = self.ppl(model)
-        row.update(self.export(model, f"{name}-8da8w" + (f"-{self._key(name)}" if spec is not None else ""), name))
+        row.update(self.export(model, self.pte_name(name), name))
         say(f"{name}: 8da8w ppl {row['ppl_8da8w']}, .pte {row['pte_mb']} MB {row['decode_tok_s']} tok/s")
         return row
 
@@ -180,10 +182,10 @@ class Bench:
         from optimize.stages.qat import QatConfig
 
         row = {"row": "qat", "ppl_fp32": self.ppl(self.model)}
-        row["fp32_pte"] = self.export(self.model, "qat-fp32", "qat")
+        row["fp32_pte"] = self.export(self.model, self.pte_name("qat", "fp32_pte"), "qat")
         ptq = get_stage("ptq_int8").fn(copy.deepcopy(self.model), Ptq8Config(**PTQ4), self.ctx(self.work / "qat"))
         row["ppl_ptq"] = self.ppl(ptq)
-        row["ptq_pte"] = self.export(ptq, "qat-ptq8da4w", "qat")
+        row["ptq_pte"] = self.export(ptq, self.pte_name("qat", "ptq_pte"), "qat")
         del ptq
         say(f"qat: fp32 {row['ppl_fp32']}, 8da4w PTQ {row['ppl_ptq']} (.pte {row['ptq_pte']['pte_ppl']})")
 
@@ -219,7 +221,7 @@ class Bench:
             quantize_(model, QATConfig(base, step="convert"), filter_fn=lambda m, f, n=names: f in n)
         row["ppl_qat"] = self.ppl(model)
         curve.append((facts["tokens_seen"], row["ppl_qat"]))
-        row["qat_pte"] = self.export(model, f"qat-qat8da4w-{self._key('qat')}", "qat")
+        row["qat_pte"] = self.export(model, self.pte_name("qat", "qat_pte"), "qat")
         gap = row["ppl_ptq"] - row["ppl_fp32"]
         row.update(qat_steps=steps, qat_tokens=facts["tokens_seen"], qat_minutes=round(train_min, 2),
                    recovered=round((row["ppl_ptq"] - row["ppl_qat"]) / gap, 3) if gap > 0 else None,
@@ -249,10 +251,11 @@ class Bench:
 
         slots = []
         for r in rows:
-            for res in [r, *(r.get(k) for k in ("fp32_pte", "ptq_pte", "qat_pte"))]:
+            fields = [(k, r.get(k)) for k in QAT_PTES] if r["row"] == "qat" else [(None, r)]
+            for field, res in fields:
                 if not isinstance(res, dict) or res.get("decode_tok_s") is None:
                     continue
-                path = self.work / "pte" / res.get("pte_dir", self._pte_dir(r["row"], res, r)) / "model.pte"
+                path = self.work / "pte" / self.pte_name(r["row"], field) / "model.pte"
                 if path.is_file():
                     slots.append((res, path))
         if not slots:
@@ -272,11 +275,11 @@ class Bench:
             res["decode_best"] = round(max(t[0] for t in times[i]), 1)  # the least disturbed sample
             res["decode_samples"] = [round(t[0], 1) for t in times[i]]
 
-    def _pte_dir(self, row: str, res: dict, r: dict) -> str:
-        """The .pte directory of a row cached before ``pte_dir`` was recorded."""
-        if row == "qat":
-            return {id(r.get("fp32_pte")): "qat-fp32", id(r.get("ptq_pte")): "qat-ptq8da4w"}.get(
-                id(res), f"qat-qat8da4w-{self._key('qat')}")
+    def pte_name(self, row: str, field: str | None = None) -> str:
+        """Directory under ``<work>/pte`` of a row's .pte; ``field`` picks one of the QAT row's three.
+        Trained models carry the row's cache key; base, fp32 and PTQ do not depend on the budget."""
+        if field is not None:
+            return f"{QAT_PTES[field]}-{self._key(row)}" if field == "qat_pte" else QAT_PTES[field]
         return f"{row}-8da8w" + (f"-{self._key(row)}" if PRUNE_ROWS.get(row) is not None else "")
 
     # ---- caching

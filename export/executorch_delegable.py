@@ -25,9 +25,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-# ``reshape`` is already decomposed into ``view`` by export; ``_unsafe_view`` is a view of a fresh copy
 #: name prefix of the rotation buffers; export/linear_schemes.py leaves these linears out of the mix
 ROPE_BUFFER_PREFIX = "_rope_rotation_"
+# ``reshape`` is already decomposed into ``view`` by export; ``_unsafe_view`` is a view of a fresh copy
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default)
 
 
@@ -37,9 +37,7 @@ def static_reshapes(ep: torch.export.ExportedProgram) -> int:
     changed = 0
     graph = ep.graph_module.graph
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target not in _RESHAPES:
+        if node.op != "call_function" or node.target not in _RESHAPES:
             continue
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
@@ -74,8 +72,9 @@ def rotation_matrix(dim: int) -> torch.Tensor:
 
 def _rotary_dims(config) -> set[int]:
     """Last-dim sizes ``rotate_half`` sees: the head dim, or its rotary part (partial RoPE)."""
-    get = getattr(config, "get_text_config", None)
-    cfg = get(decoder=True) if callable(get) else config
+    from export.executorch_llm import _text_config
+
+    cfg = _text_config(config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dims = {int(head_dim)}
     factor = getattr(cfg, "partial_rotary_factor", None)
