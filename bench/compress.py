@@ -32,7 +32,6 @@ import copy
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -245,10 +244,6 @@ class Bench:
         """Re-measure every row's .pte decode and prefill, interleaved round by round, and keep
         the median: each row was first timed right after its own export, minutes (and machine
         load) apart from the base row it is compared with."""
-        from export.executorch import ExecuTorchExporter
-        from export.executorch_runtime import set_threads
-        from export.verify import latency
-
         slots = []
         for r in rows:
             fields = [(k, r.get(k)) for k in QAT_PTES] if r["row"] == "qat" else [(None, r)]
@@ -260,20 +255,17 @@ class Bench:
                     slots.append((res, path))
         if not slots:
             return
+        from bench.retiming import round_robin, summarize
+
         say(f"re-timing {len(slots)} .pte files, {rounds} interleaved rounds")
-        set_threads(THREADS)
-        times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(slots))}
-        for _ in range(rounds):
-            for i, (_, path) in enumerate(slots):
-                runner = ExecuTorchExporter().load(path, threads=THREADS)
-                lat = latency(runner, self.prompt, DECODE, runs=1, warmup=1)
-                runner.close()
-                times[i].append((lat["decode_tok_s"], lat["prefill_ms"]))
-        for i, (res, _) in enumerate(slots):
-            res["decode_tok_s"] = round(statistics.median(t[0] for t in times[i]), 1)
-            res["prefill_ms"] = round(statistics.median(t[1] for t in times[i]), 1)
-            res["decode_best"] = round(max(t[0] for t in times[i]), 1)  # the least disturbed sample
-            res["decode_samples"] = [round(t[0], 1) for t in times[i]]
+        samples = round_robin({str(i): path for i, (_, path) in enumerate(slots)}, self.prompt, DECODE, rounds,
+                              THREADS, log=say)
+        for key, row in summarize(samples).items():
+            res = slots[int(key)][0]
+            res["decode_tok_s"] = round(row["decode_tok_s"], 1)
+            res["prefill_ms"] = round(row["prefill128_ms"], 1)
+            res["decode_best"] = round(row["decode_best"], 1)  # the least disturbed sample
+            res["decode_samples"] = row["decode_samples"]
 
     def pte_name(self, row: str, field: str | None = None) -> str:
         """Directory under ``<work>/pte`` of a row's .pte; ``field`` picks one of the QAT row's three.

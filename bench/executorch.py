@@ -1,7 +1,8 @@
 """Benchmark our ExecuTorch .pte files of SmolLM2-135M against optimum-executorch's, in one run.
 
 Rows: ours fp32, ours 8da8w, ours 8da4w with the demo recipe (the stages and export options of
-``examples/smollm2.yaml``: AWQ + GPTQ, lm_head 8da8w) and, with ``--with-optimum``, the peer's
+``examples/smollm2.yaml``: AWQ + GPTQ, lm_head 8da8w), the same with lm_head at 4 bits too
+(``all4``: the peer's bytes per token) and, with ``--with-optimum``, the peer's
 8da4w .pte (optimum-executorch 1.1.0, ``--use_custom_sdpa --use_custom_kv_cache --qlinear 8da4w``),
 plus the decode ceilings from a copy bandwidth measured in the same run.
 
@@ -51,6 +52,7 @@ ROWS = {
     "fp32": "ours fp32",
     "8da8w": "ours 8da8w (all Linear)",
     "demo": "ours 8da4w demo (AWQ+GPTQ, lm_head 8da8w)",
+    "all4": "ours 8da4w, lm_head 4-bit too (AWQ+GPTQ)",
     "peer": "optimum-executorch 8da4w",
 }
 #: files under export/ that only load or measure programs: editing them does not change a .pte
@@ -71,10 +73,13 @@ def our_recipes() -> dict[str, tuple[list[dict], dict]]:
 
     demo = yaml.safe_load(DEMO_YAML.read_text())
     demo_export = {**demo.get("export", {}).get("executorch", {}), "max_seq_len": MAX_SEQ_LEN}
+    # the demo with the output projection at 4 bits as well (GPTQ on it too): the peer's bytes per token
+    all4 = [{**st, "int8_modules": []} if st.get("kind") == "ptq_int8" else st for st in demo["stages"]]
     return {
         "fp32": ([], {"quantize": "none", "max_seq_len": MAX_SEQ_LEN}),
         "8da8w": ([], {"quantize": "8da8w", "lm_head": "same", "max_seq_len": MAX_SEQ_LEN}),
         "demo": (demo["stages"], demo_export),
+        "all4": (all4, demo_export),
     }
 
 
@@ -212,25 +217,14 @@ def ceilings(model, bandwidth: float) -> dict[str, dict]:
     return {k: {"bytes_per_token": b, "tok_s": bandwidth / b} for k, b in per_token.items()}
 
 
-ROW_CEILING = {"fp32": "fp32", "8da8w": "int8", "demo": "4-bit g32, lm_head int8", "peer": "4-bit g32"}
-
-
-def prefill_ms(runner, ids: torch.Tensor, runs: int, warmup: int = 1) -> float:
-    """Median time of one prefill of ``ids`` from a clean cache (no decode after it)."""
-    times = []
-    for i in range(warmup + runs):
-        runner.reset()
-        t0 = time.perf_counter()
-        runner.forward(ids, all_logits=False)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1000.0)
-    runner.reset()
-    return statistics.median(times)
+ROW_CEILING = {"fp32": "fp32", "8da8w": "int8", "demo": "4-bit g32, lm_head int8", "all4": "4-bit g32",
+               "peer": "4-bit g32"}
 
 
 def measure(pte: Path, eval_ids, prompt, tokenizer, runs: int) -> dict:
     from export.executorch_llm_runner import LLMRunnerUnavailable
     from export.executorch_runtime import ExecuTorchRunner
+    from bench.retiming import prefill_ms
     from export.verify import latency, perplexity
 
     runner = ExecuTorchRunner(pte, threads=THREADS)
@@ -254,45 +248,38 @@ def measure(pte: Path, eval_ids, prompt, tokenizer, runs: int) -> dict:
     return row
 
 
-def retime(results: dict[str, dict], ptes: dict, prompt, rounds: int) -> None:
-    """Time prefill-128, prefill-512 and decode again for every row, round-robin, and keep the
-    median per row: on a shared host the speed drifts by 2x within minutes, and rows measured one
-    after the other would carry that drift into the ratios against the peer."""
-    from export.executorch_runtime import ExecuTorchRunner
-    from export.verify import latency
+def retime(results: dict[str, dict], ptes: dict, prompt, rounds: int) -> dict:
+    """Time prefill-128, prefill-512 and decode again for every row, round-robin
+    (:mod:`bench.retiming`): the speed columns become the medians over rounds, and the ratios
+    against the peer are paired within each round. Returns the host's load and steal."""
+    from bench.retiming import HostMonitor, round_robin, summarize
 
     keys = [k for k in results if "error" not in results[k]]
-    samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in keys}
-    for i in range(rounds):
-        log(f"re-timing round {i + 1}/{rounds}")
-        for key in keys:
-            runner = ExecuTorchRunner(ptes[key][0], threads=THREADS)
-            lat = latency(runner, prompt[:PROMPT], DECODE, runs=1, warmup=1)
-            samples[key].append((lat["prefill_ms"], lat["decode_tok_s"], prefill_ms(runner, prompt[:LONG_PROMPT], 1)))
-            del runner
-    for key in keys:
-        col = list(zip(*samples[key]))
-        results[key].update(prefill128_ms=statistics.median(col[0]), decode_tok_s=statistics.median(col[1]),
-                            prefill512_ms=statistics.median(col[2]), decode_samples=[round(x, 1) for x in col[1]],
-                            prefill128_samples=[round(x, 1) for x in col[0]])
-
-
-def spread(results: dict[str, dict]) -> str:
-    """Each row's decode samples from the round-robin passes: median, best, and the best-to-best
-    ratio against the peer (the best sample is the one the host disturbed least)."""
-    rows = {k: r["decode_samples"] for k, r in results.items() if r.get("decode_samples")}
-    if not rows:
-        return ""
-    peer = max(rows["peer"]) if "peer" in rows else None
-    lines = ["", "Decode tok/s over the round-robin passes (median; best; best x peer best):"]
-    for key, xs in rows.items():
-        ratio = f"; {max(xs) / peer:.2f}x" if peer else ""
-        lines.append(f"- {ROWS[key]}: {statistics.median(xs):.1f}; {max(xs):.1f}{ratio} (samples {xs})")
-    return "\n".join(lines) + "\n"
+    mon = HostMonitor()
+    samples = round_robin({k: ptes[k][0] for k in keys}, prompt[:PROMPT], DECODE, rounds, THREADS,
+                          long_prompt=prompt[:LONG_PROMPT], log=log)
+    for key, row in summarize(samples, reference="peer" if "peer" in keys else None).items():
+        results[key].update(row)
+    return mon.report()
 
 
 # ---------------------------------------------------------------------------------------------
 # table
+
+
+def samples_text(results: dict[str, dict], host: dict | None) -> str:
+    """Each row's decode samples over the timing rounds, and the host's load and steal while
+    they were taken (a loaded host slows 2-thread XNNPACK kernels several-fold)."""
+    rows = {k: r for k, r in results.items() if r.get("decode_samples")}
+    if not rows:
+        return ""
+    lines = ["", "Decode tok/s over the round-robin passes (median; best; samples):"]
+    for key, r in rows.items():
+        lines.append(f"- {ROWS[key]}: {r['decode_tok_s']:.1f}; {r['decode_best']:.1f} ({r['decode_samples']})")
+    if host:
+        lines.append(f"Host while timing: load average {host['load_avg_start']} -> {host['load_avg_end']}, "
+                     f"CPU steal {host['steal_pct']}%.")
+    return "\n".join(lines) + "\n"
 
 
 def _f(x, fmt: str) -> str:
@@ -316,9 +303,12 @@ def table(results: dict[str, dict], ceil: dict[str, dict], bandwidth: float) -> 
             + (" cached" if exp.get("cached") else "")
         ratios = ["-"] * 4
         if peer:
-            ratios = [_f(r["prefill128_ms"] / peer["prefill128_ms"], ".2f"),
-                      _f(r["prefill512_ms"] / peer["prefill512_ms"], ".2f"),
-                      _f(r["decode_tok_s"] / peer["decode_tok_s"], ".2f"), _f(r["size_mib"] / peer["size_mib"], ".2f")]
+            # paired within each timing round when re-timed (robust to the host's drift), else of medians
+            paired = r.get("paired_x_ref") or {}
+            ratios = [_f(paired.get("prefill128", r["prefill128_ms"] / peer["prefill128_ms"]), ".2f"),
+                      _f(paired.get("prefill512", r["prefill512_ms"] / peer["prefill512_ms"]), ".2f"),
+                      _f(paired.get("decode", r["decode_tok_s"] / peer["decode_tok_s"]), ".2f"),
+                      _f(r["size_mib"] / peer["size_mib"], ".2f")]
         cpp = f"{_f(r.get('cpp_prefill128_ms'), '.0f')} / {_f(r.get('cpp_decode_tok_s'), '.1f')}"
         lines.append(f"| {ROWS[key]} | {r['size_mib']:.0f} | {r['prefill128_ms']:.0f} | {r['prefill512_ms']:.0f} "
                      f"| {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / c:.0%} of {c:.0f} | {r['ppl']:.2f} "
@@ -345,7 +335,7 @@ def main(argv=None) -> int:
     ap.add_argument("--export-only", action="store_true", help="fill the export cache, measure nothing")
     args = ap.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",")] if args.rows else \
-        ["fp32", "8da8w", "demo"] + (["peer"] if args.with_optimum else [])
+        ["fp32", "8da8w", "demo", "all4"] + (["peer"] if args.with_optimum else [])
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
@@ -398,8 +388,7 @@ def main(argv=None) -> int:
             results[key] = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"{key}: {json.dumps({k: v for k, v in results[key].items() if k != 'export'}, default=str)}")
     results = {k: results[k] for k in rows}
-    if args.rounds:
-        retime(results, ptes, prompt, args.rounds)
+    host = retime(results, ptes, prompt, args.rounds) if args.rounds else None
 
     text = (f"bench/executorch.py: SmolLM2-135M, {THREADS} threads, max_seq_len {MAX_SEQ_LEN}; perplexity over the first "
             f"{EVAL_TOKENS + 1} pydoc tokens in {MAX_SEQ_LEN}-token windows; prompts from offset 5000; decode "
@@ -410,15 +399,16 @@ def main(argv=None) -> int:
             f"files through the same Python loop (ExecuTorch pybindings). Load avg {os.getloadavg()[0]:.1f} at the end: "
             "on a shared machine the timings are noisy; compare ratios within one run.\n\n"
             + table(results, ceil, bandwidth)
-            + "\n\nx peer: ours / the peer's in this run (prefill: lower is better; decode: higher). export s: "
+            + "\n\nx peer: ours / the peer's, the median over timing rounds of the ratio within each round (prefill: "
+            "lower is better; decode: higher). export s: "
             "ExecuTorch export (quantize + torch.export + lowering), plus the stages it needs (AWQ, GPTQ); the peer's is "
             f"optimum-cli's wall time. C++ runner: ExecuTorch's TextLLMRunner's own Stats on the same prompt. "
             f"Wall time of this run {time.perf_counter() - t_all:.0f} s.\n"
-            + spread(results))
+            + samples_text(results, host))
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
-    args.output.with_suffix(".json").write_text(json.dumps({"results": results, "ceilings": ceil,
+    args.output.with_suffix(".json").write_text(json.dumps({"results": results, "ceilings": ceil, "host": host,
                                                             "bandwidth": bandwidth}, indent=1, default=str))
     return 0
 

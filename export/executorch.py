@@ -128,22 +128,35 @@ def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
 
 
 def _delegation(gm: torch.fx.GraphModule) -> dict:
+    """Share of the edge graph's ops inside XNNPACK subgraphs (before ``to_executorch``)."""
     from executorch.devtools.backend_debug import get_delegation_info
 
     info = get_delegation_info(gm)
     total = info.num_delegated_nodes + info.num_non_delegated_nodes
-    fallback = {
-        op: b.non_delegated
-        for op, b in sorted(info.delegation_by_operator.items())
-        if b.non_delegated and op not in ("getitem", "sym_size")
-    }
     return {
         "delegated_fraction": info.num_delegated_nodes / total if total else 0.0,
         "delegated_nodes": info.num_delegated_nodes,
         "portable_nodes": info.num_non_delegated_nodes,
         "delegated_subgraphs": info.num_delegated_subgraphs,
-        "portable_ops": fallback,
     }
+
+
+def _program_calls(prog, method: str = "forward") -> dict:
+    """What one call of ``method`` runs, read from the serialized program (after quant fusion and
+    memory planning, so what ships): kernel calls outside the delegate, by operator, and how
+    many delegate calls. This is the "portable ops" list of the report."""
+    plan = next(p for p in prog.executorch_program.execution_plan if p.name == method)
+    names = [f"{o.name}.{o.overload}" if o.overload else o.name for o in plan.operators]
+    kernels: Counter = Counter()
+    delegates = 0
+    for chain in plan.chains:
+        for ins in chain.instructions:
+            kind = type(ins.instr_args).__name__
+            if kind == "KernelCall":
+                kernels[names[ins.instr_args.op_index]] += 1
+            elif kind == "DelegateCall":
+                delegates += 1
+    return {"delegate_calls": delegates, "portable_ops": dict(sorted(kernels.items()))}
 
 
 DEFAULT_MAX_SEQ_LEN = 512
@@ -365,6 +378,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
         ))
         data = bytes(prog.buffer)
         ptd = _external_data(prog) if external else None
+        delegation.update(_program_calls(prog))
     except Exception as exc:
         raise ExportError(f"lowering to ExecuTorch/XNNPACK failed: {exc}") from exc
     timings["lower_s"] = time.perf_counter() - t0

@@ -142,8 +142,9 @@ def runtime_lines(report: Report) -> list[str]:
         deleg = d.get("delegation")
         if deleg:
             ops = ", ".join(f"{k} {v}" for k, v in (deleg.get("portable_ops") or {}).items()) or "none"
+            calls = f", {deleg['delegate_calls']} delegate calls a forward" if deleg.get("delegate_calls") else ""
             lines.append(f"- {r.name}: {deleg.get('delegated_fraction', 0):.1%} of ops delegated "
-                         f"({deleg.get('delegated_subgraphs')} subgraphs); portable ops left: {ops}")
+                         f"({deleg.get('delegated_subgraphs')} subgraphs{calls}); portable kernel calls a forward: {ops}")
         llm = d.get("llm_runner")
         if llm and llm.get("used"):
             s, g = llm["stats"], llm["greedy"]

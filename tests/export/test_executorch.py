@@ -170,15 +170,25 @@ def test_exported_graph_has_the_mix_the_stage_chose(exported):
 
 
 def test_delegation_reported(exported):
-    """The row reports the delegated fraction and the short list of ops left outside XNNPACK:
-    the cache update and attention are ExecuTorch's LLM ops, and no mask or GQA copy remains."""
-    d = exported["fp32"][0].details["delegation"]
-    assert 0 < d["delegated_fraction"] < 1 and d["delegated_subgraphs"] > 0
-    portable = d["portable_ops"]
-    assert portable["llama_custom_sdpa_default"] == TINY["num_hidden_layers"], portable
-    for gone in ("aten_index_put_default", "aten_expand_copy_default", "aten_mean_dim", "aten_where_self",
-                 "aten_logical_not_default", "aten_arange_start_step"):
-        assert gone not in portable, (gone, portable)
+    """The row reports the delegated fraction and the short list of kernels left outside XNNPACK,
+    read from the serialized program (what runs per call, after quant fusion): the cache update
+    and attention are ExecuTorch's LLM ops, and no mask or GQA copy remains."""
+    n_layers = TINY["num_hidden_layers"]
+    for key in ("fp32", "mixed"):
+        d = exported[key][0].details["delegation"]
+        assert 0 < d["delegated_fraction"] < 1 and d["delegated_subgraphs"] > 0
+        portable = d["portable_ops"]
+        assert portable["llama::custom_sdpa.out"] == n_layers, portable
+        assert portable["llama::update_cache.out"] == 2 * n_layers, portable
+        for gone in ("index_put", "expand_copy", "mean", "where", "logical_not", "arange", "repeat_interleave"):
+            assert not [k for k in portable if gone in k], (gone, portable)
+        # a layer's ops sit in one XNNPACK call between attention calls (plus the embedding side and lm_head)
+        assert d["delegate_calls"] <= n_layers + 3, d
+        # outside the delegate: a handful of kernels a call beyond the 3 LLM ops per layer
+        assert sum(portable.values()) - 3 * n_layers <= 12, portable
+    # the quantized program's embedding is one fused quantized kernel, not dequantize + embedding
+    mixed = exported["mixed"][0].details["delegation"]["portable_ops"]
+    assert not [k for k in mixed if "dequantize" in k], mixed
     ops = exported["fp32"][0].details["llm_ops"]
     assert ops["llama::update_cache"] == 2 * TINY["num_hidden_layers"] and ops["rms_norm_swapped"] == 5
 

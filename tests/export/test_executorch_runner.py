@@ -173,13 +173,15 @@ def test_report_shows_delegation_and_the_llm_runner():
             "greedy": {"tokens": 16, "match": True, "diverged_at": None}}
     rows = [StageRow(index=0, name="export:executorch", kind="export:executorch", runtime="executorch",
                      details={"delegation": {"delegated_fraction": 0.8123, "delegated_subgraphs": 31,
-                                             "portable_ops": {"llama_custom_sdpa_default": 30}},
+                                             "delegate_calls": 32,
+                                             "portable_ops": {"llama::custom_sdpa.out": 30}},
                               "llm_runner": used}),
             StageRow(index=0, name="export:other", kind="export:other", runtime="executorch",
                      details={"llm_runner": {"used": False, "reason": "no tokenizer file"}})]
     md = render_markdown(Report(name="t", rows=rows))
     assert "## Export runtime" in md
-    assert "- export:executorch: 81.2% of ops delegated (31 subgraphs); portable ops left: llama_custom_sdpa_default 30" in md
+    assert ("- export:executorch: 81.2% of ops delegated (31 subgraphs, 32 delegate calls a forward); portable kernel "
+            "calls a forward: llama::custom_sdpa.out 30") in md
     assert ("- export:executorch, ExecuTorch C++ runner (TextLLMRunner): prefill 118 ms for 128 tokens, decode 301.5 "
             "tok/s; greedy 16 tokens equal the Python loop's") in md
     assert "- export:other, ExecuTorch C++ runner not used: no tokenizer file" in md
