@@ -155,19 +155,31 @@ class HessianCollector:
         self.model, self.scheme = model, scheme
         self.h: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, int] = {}
+        # q/k/v (and gate/up) receive the very same input tensor one after another: its x^T x is
+        # computed once and reused while that tensor is unchanged
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
+
+    def _outer(self, inp: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if last is not None and last[0] is inp and last[1] == inp._version:
+            return last[2]
+        x = inp.detach().float().reshape(-1, inp.shape[-1])
+        if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
+            x = qdq_act(x, self.scheme)
+        x = x.double()
+        xtx = x.t() @ x
+        self._last = (inp, inp._version, xtx)
+        return xtx
 
     def _hook(self, name: str) -> Callable:
         def fn(_mod, args):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-            if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
-                x = qdq_act(x, self.scheme)
-            x = x.double()
+            xtx = self._outer(args[0])
             if name not in self.h:
-                self.h[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+                self.h[name] = torch.zeros_like(xtx)
                 self.tokens[name] = 0
-            self.h[name] += x.t() @ x
-            self.tokens[name] += x.shape[0]
+            self.h[name] += xtx
+            self.tokens[name] += args[0].numel() // args[0].shape[-1]
 
         return fn
 
@@ -175,6 +187,7 @@ class HessianCollector:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._last = None
 
 
 class _StopForward(Exception):
@@ -225,11 +238,13 @@ def gptq_model(
 ) -> GptqRunResult:
     """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
 
-    For each decoder block, the calibration windows run through the model (stopping after
-    that block) with every earlier block already quantized; the block's Linears are then
-    quantized from the Hessians of the inputs they received, and their fp32 weights replaced
-    by the de-quantized GPTQ values (exactly on the grid), so later blocks calibrate on what
-    the quantized model computes. Linears outside the decoder blocks (``lm_head``) come last.
+    Each decoder block calibrates on what the blocks before it, already quantized, output for
+    the calibration windows (cached between blocks by :class:`_BlockChain`, so each block runs
+    once per window; models whose blocks do not simply feed each other run the model prefix
+    again for every block, as before); the block's Linears are then quantized from the
+    Hessians of the inputs they received, and their fp32 weights replaced by the de-quantized
+    GPTQ values (exactly on the grid), so later blocks calibrate on what the quantized model
+    computes. Linears outside the decoder blocks (``lm_head``) come last.
     The caller turns the returned integers and scales into its runtime's tensors.
     """
     if not windows:
@@ -241,7 +256,31 @@ def gptq_model(
         stages.setdefault(block_of(name, blocks), []).append(name)
     order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
     result = GptqRunResult()
-    for step, block in enumerate(order):
+    chain = _BlockChain.capture(model, blocks, windows) if blocks and any(b is not None for b in order) else None
+    if chain is not None and not chain.ok:
+        if log:
+            log(f"gptq: {chain.why}; calibrating each block from the model's input instead (slower)")
+        chain = None
+    step = 0
+    if chain is not None:
+        # each block calibrates on the cached outputs of the (already quantized) blocks before it:
+        # one block forward per window instead of a forward through every earlier block
+        for i, block in enumerate(blocks):
+            if block in stages:
+                names = stages[block]
+                collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
+                try:
+                    chain.run_block(i)
+                finally:
+                    collector.close()
+                _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init)
+                step += 1
+                if log:
+                    log(f"gptq {step}/{len(order)} {block}: {len(names)} layers")
+            if i < len(blocks) - 1:
+                chain.advance(i)
+        order = [None] if None in stages else []
+    for block in order:
         names = stages[block]
         collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
         stop = None
@@ -259,15 +298,107 @@ def gptq_model(
             collector.close()
             if stop is not None:
                 stop.remove()
-        result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
-        for name in names:
-            if name not in collector.h:
-                raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
-            lin = model.get_submodule(name)
-            res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
-                             act_order=act_order, scale_init=scale_init)
-            lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
-            result.layers[name] = res
+        _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init)
+        step += 1
         if log:
-            log(f"gptq {step + 1}/{len(order)} {block or 'outside blocks'}: {len(names)} layers")
+            log(f"gptq {step}/{len(stages)} {block or 'outside blocks'}: {len(names)} layers")
     return result
+
+
+def _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init) -> None:
+    """GPTQ each named Linear from its collected Hessian; install the de-quantized grid values."""
+    result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
+    for name in names:
+        if name not in collector.h:
+            raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
+        lin = model.get_submodule(name)
+        res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
+                         act_order=act_order, scale_init=scale_init)
+        lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
+        result.layers[name] = res
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _BlockChain:
+    """The calibration windows' hidden states between decoder blocks, so sequential GPTQ runs each
+    block once per window instead of re-running every earlier block (quadratic in depth).
+
+    One forward per window (cache off) records each block's call arguments (attention masks and
+    position embeddings differ per layer type in sliding-window models) and the first block's
+    input. The chain is used only if replaying block ``i`` on block ``i``'s recorded input gives
+    block ``i + 1``'s recorded input on the first window, i.e. the blocks really feed each other
+    and nothing else; otherwise ``ok`` is False and ``why`` says why.
+    """
+
+    def __init__(self, model: nn.Module, blocks: list[str]):
+        self.mods = [model.get_submodule(b) for b in blocks]
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
+        self.hidden: list[torch.Tensor] = []  # current input of the next block, one per window
+        self.first_inputs: list[torch.Tensor] = []  # every block's input on window 0 (for the check)
+        self.ok, self.why = True, ""
+
+    @classmethod
+    @torch.no_grad()
+    def capture(cls, model: nn.Module, blocks: list[str], windows: list[torch.Tensor]) -> "_BlockChain":
+        chain = cls(model, blocks)
+        handles = []
+        win = {"j": 0}
+
+        def hook(i):
+            def fn(_mod, args, kwargs):
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                if not isinstance(hidden, torch.Tensor):
+                    raise _StopForward
+                rest = dict(kwargs)
+                rest.pop("hidden_states", None)
+                chain.calls[i].append((tuple(args[1:]), rest))
+                if i == 0:
+                    chain.hidden.append(hidden.detach().clone())
+                if win["j"] == 0:
+                    chain.first_inputs.append(hidden.detach().clone())
+            return fn
+
+        for i, mod in enumerate(chain.mods):
+            handles.append(mod.register_forward_pre_hook(hook(i), with_kwargs=True))
+        try:
+            for j, w in enumerate(windows):
+                win["j"] = j
+                model(w.view(1, -1), use_cache=False)
+        except (_StopForward, TypeError) as exc:
+            chain.ok, chain.why = False, f"the decoder blocks' inputs could not be recorded ({type(exc).__name__})"
+        finally:
+            for h in handles:
+                h.remove()
+        if chain.ok and any(len(c) != len(windows) for c in chain.calls):
+            chain.ok, chain.why = False, "a decoder block ran a different number of times than there are windows"
+        if chain.ok:
+            chain._check()
+        return chain
+
+    def _check(self) -> None:
+        """Replaying block i on its recorded input must give block i+1's recorded input (window 0)."""
+        for i in range(len(self.mods) - 1):
+            args, kwargs = self.calls[i][0]
+            out = _first(self.mods[i](self.first_inputs[i], *args, **kwargs))
+            want = self.first_inputs[i + 1]
+            tol = 1e-5 * max(float(want.abs().max()), 1.0)
+            if out.shape != want.shape or not torch.allclose(out, want, rtol=1e-5, atol=tol):
+                self.ok, self.why = False, f"decoder block {i} does not feed block {i + 1} directly"
+                return
+        self.first_inputs = []
+
+    @torch.no_grad()
+    def run_block(self, i: int) -> None:
+        """Run block ``i`` on every window's current input (its Linears' hooks see the inputs)."""
+        for j, hidden in enumerate(self.hidden):
+            args, kwargs = self.calls[i][j]
+            self.mods[i](hidden, *args, **kwargs)
+
+    @torch.no_grad()
+    def advance(self, i: int) -> None:
+        """Replace every window's input by block ``i``'s output (with block ``i`` as it is now)."""
+        self.hidden = [_first(self.mods[i](h, *self.calls[i][j][0], **self.calls[i][j][1]))
+                       for j, h in enumerate(self.hidden)]

@@ -158,3 +158,61 @@ def test_pipeline_ships_the_mix_and_the_report_shows_it(tiny_cfg):
     again = run_pipeline(load_config(tiny_cfg), say=messages.append)
     assert any("resuming" in m for m in messages), messages
     assert again.row("export:executorch").details["quantization"]["exported_linear"] == exported
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3", "opt", "gpt_neox"])
+def test_cached_block_inputs_give_the_prefix_rerun_result(model_type, monkeypatch):
+    """GPTQ calibrates each block on the cached outputs of the quantized blocks before it (one block
+    forward per window); that must quantize exactly as re-running the model prefix for every block
+    (the old, quadratic path). Covers sliding-window masks per layer type (gemma3_text, with a window
+    shorter than the text), fused projections (phi3), learned positions (opt) and parallel residuals
+    (gpt_neox)."""
+    import copy
+
+    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
+
+    from optimize.quant import gptq as gptq_mod
+    from optimize.quant.fakequant import WeightScheme
+    from train.model_parts import decoder_blocks
+
+    over = {"sliding_window": 16} if model_type == "gemma3_text" else {}
+    model = family(model_type, **over)
+    blocks = [n for n, _ in decoder_blocks(model)]
+    targets = {n: WeightScheme(4, 32, True) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and any(n.startswith(b + ".") for b in blocks)
+               and m.in_features % 32 == 0}
+    windows = [torch.randint(1, 500, (48,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    said: list[str] = []
+    cached = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows, log=said.append)
+    assert not [m for m in said if "calibrating each block from the model's input" in m], said
+
+    def refuse(cls, model, blocks, windows):
+        chain = cls(model, blocks)
+        chain.ok, chain.why = False, "forced by the test"
+        return chain
+
+    monkeypatch.setattr(gptq_mod._BlockChain, "capture", classmethod(refuse))
+    rerun = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows, log=said.append)
+    assert [m for m in said if "forced by the test" in m]
+    assert targets and set(cached.layers) == set(rerun.layers) == set(targets)
+    for name in targets:
+        a, b = cached.layers[name], rerun.layers[name]
+        # the same integers up to float noise in the Hessians (at most 0.1% of them one step apart)
+        diff = (a.q.int() - b.q.int()).abs()
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) <= 1e-3, (name, int((diff > 0).sum()))
+        torch.testing.assert_close(a.scale, b.scale, rtol=1e-5, atol=1e-7)
+
+
+def test_block_chain_refuses_blocks_that_do_not_feed_each_other():
+    """A model that transforms the hidden states between its blocks must not use the cache."""
+    from tiny_families import family
+
+    from optimize.quant.gptq import _BlockChain
+    from train.model_parts import decoder_blocks
+
+    model = family("llama")
+    blocks = [n for n, _ in decoder_blocks(model)]
+    model.model.layers[1].register_forward_pre_hook(lambda m, a, k: ((a[0] * 2.0,) + a[1:], k), with_kwargs=True)
+    chain = _BlockChain.capture(model, blocks, [torch.arange(1, 17)])
+    assert not chain.ok and "does not feed block 1" in chain.why
