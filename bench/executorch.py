@@ -222,9 +222,9 @@ ROW_CEILING = {"fp32": "fp32", "8da8w": "int8", "demo": "4-bit g32, lm_head int8
 
 
 def measure(pte: Path, eval_ids, prompt, tokenizer, runs: int) -> dict:
+    from bench.retiming import prefill_ms
     from export.executorch_llm_runner import LLMRunnerUnavailable
     from export.executorch_runtime import ExecuTorchRunner
-    from bench.retiming import prefill_ms
     from export.verify import latency, perplexity
 
     runner = ExecuTorchRunner(pte, threads=THREADS)

@@ -73,15 +73,14 @@ def round_robin(ptes: dict[str, Path], prompt: torch.Tensor, decode_tokens: int,
                 long_prompt: torch.Tensor | None = None, log: Callable[[str], None] = print) -> dict[str, Samples]:
     """Time every ``.pte`` once per round (prefill of ``prompt``, ``decode_tokens`` greedy steps,
     and a prefill of ``long_prompt`` when given), ``rounds`` rounds, rows in the same order."""
-    from export.executorch_runtime import ExecuTorchRunner, set_threads
+    from export.executorch_runtime import ExecuTorchRunner
     from export.verify import latency
 
-    set_threads(threads)
     out = {k: Samples() for k in ptes}
     for i in range(rounds):
         log(f"timing round {i + 1}/{rounds} over {len(ptes)} .pte files")
         for key, path in ptes.items():
-            runner = ExecuTorchRunner(path, threads=threads)
+            runner = ExecuTorchRunner(path, threads=threads)  # sizes ExecuTorch's threadpool
             lat = latency(runner, prompt, decode_tokens, runs=1, warmup=1)
             out[key].prefill_ms.append(lat["prefill_ms"])
             out[key].decode_tok_s.append(lat["decode_tok_s"])

@@ -26,6 +26,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
+from optimize.quant.block_inputs import BlockChain
 from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight, weight_scales
 from train.model_parts import block_of, decoder_blocks
 
@@ -210,6 +211,8 @@ def _untie(model: nn.Module, names: list[str]) -> None:
 class GptqRunResult:
     layers: dict[str, GptqLayerResult] = field(default_factory=dict)
     tokens: int = 0
+    #: the blocks (or "outside blocks") calibrated, in order
+    steps: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         rtn = [r.rel_error_rtn for r in self.layers.values()]
@@ -239,9 +242,10 @@ def gptq_model(
     """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
 
     Each decoder block calibrates on what the blocks before it, already quantized, output for
-    the calibration windows (cached between blocks by :class:`_BlockChain`, so each block runs
-    once per window; models whose blocks do not simply feed each other run the model prefix
-    again for every block, as before); the block's Linears are then quantized from the
+    the calibration windows (cached between blocks by
+    :class:`~optimize.quant.block_inputs.BlockChain`, so each block runs once per window;
+    models whose blocks do not simply feed each other run the model prefix again for every
+    block, as before); the block's Linears are then quantized from the
     Hessians of the inputs they received, and their fp32 weights replaced by the de-quantized
     GPTQ values (exactly on the grid), so later blocks calibrate on what the quantized model
     computes. Linears outside the decoder blocks (``lm_head``) come last.
@@ -256,52 +260,53 @@ def gptq_model(
         stages.setdefault(block_of(name, blocks), []).append(name)
     order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
     result = GptqRunResult()
-    chain = _BlockChain.capture(model, blocks, windows) if blocks and any(b is not None for b in order) else None
+
+    def calibrate_and_quantize(names: list[str], feed: Callable[[], None], label: str) -> None:
+        """Feed the windows with Hessian hooks on ``names``, then GPTQ them."""
+        collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
+        try:
+            feed()
+        finally:
+            collector.close()
+        _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init)
+        if log:
+            log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
+        result.steps.append(label)
+
+    chain = BlockChain.capture(model, blocks, windows) if blocks and any(b is not None for b in order) else None
     if chain is not None and not chain.ok:
         if log:
             log(f"gptq: {chain.why}; calibrating each block from the model's input instead (slower)")
         chain = None
-    step = 0
+    rest = order
     if chain is not None:
         # each block calibrates on the cached outputs of the (already quantized) blocks before it:
         # one block forward per window instead of a forward through every earlier block
         for i, block in enumerate(blocks):
             if block in stages:
-                names = stages[block]
-                collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
-                try:
-                    chain.run_block(i)
-                finally:
-                    collector.close()
-                _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init)
-                step += 1
-                if log:
-                    log(f"gptq {step}/{len(order)} {block}: {len(names)} layers")
+                calibrate_and_quantize(stages[block], lambda i=i: chain.run_block(i), block)
             if i < len(blocks) - 1:
                 chain.advance(i)
-        order = [None] if None in stages else []
-    for block in order:
-        names = stages[block]
-        collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
+        rest = [None] if None in stages else []
+    for block in rest:
         stop = None
         if block is not None and block != blocks[-1]:
             def _halt(_m, _a, _o):
                 raise _StopForward
             stop = model.get_submodule(block).register_forward_hook(_halt)
-        try:
+
+        def feed_from_input():
             for w in windows:
                 try:
                     model(w.view(1, -1))
                 except _StopForward:
                     pass
+
+        try:
+            calibrate_and_quantize(stages[block], feed_from_input, block or "outside blocks")
         finally:
-            collector.close()
             if stop is not None:
                 stop.remove()
-        _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init)
-        step += 1
-        if log:
-            log(f"gptq {step}/{len(stages)} {block or 'outside blocks'}: {len(names)} layers")
     return result
 
 
@@ -316,89 +321,3 @@ def _quantize_names(model, names, collector, targets, result, damp, block_size, 
                          act_order=act_order, scale_init=scale_init)
         lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
         result.layers[name] = res
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-class _BlockChain:
-    """The calibration windows' hidden states between decoder blocks, so sequential GPTQ runs each
-    block once per window instead of re-running every earlier block (quadratic in depth).
-
-    One forward per window (cache off) records each block's call arguments (attention masks and
-    position embeddings differ per layer type in sliding-window models) and the first block's
-    input. The chain is used only if replaying block ``i`` on block ``i``'s recorded input gives
-    block ``i + 1``'s recorded input on the first window, i.e. the blocks really feed each other
-    and nothing else; otherwise ``ok`` is False and ``why`` says why.
-    """
-
-    def __init__(self, model: nn.Module, blocks: list[str]):
-        self.mods = [model.get_submodule(b) for b in blocks]
-        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
-        self.hidden: list[torch.Tensor] = []  # current input of the next block, one per window
-        self.first_inputs: list[torch.Tensor] = []  # every block's input on window 0 (for the check)
-        self.ok, self.why = True, ""
-
-    @classmethod
-    @torch.no_grad()
-    def capture(cls, model: nn.Module, blocks: list[str], windows: list[torch.Tensor]) -> "_BlockChain":
-        chain = cls(model, blocks)
-        handles = []
-        win = {"j": 0}
-
-        def hook(i):
-            def fn(_mod, args, kwargs):
-                hidden = args[0] if args else kwargs.get("hidden_states")
-                if not isinstance(hidden, torch.Tensor):
-                    raise _StopForward
-                rest = dict(kwargs)
-                rest.pop("hidden_states", None)
-                chain.calls[i].append((tuple(args[1:]), rest))
-                if i == 0:
-                    chain.hidden.append(hidden.detach().clone())
-                if win["j"] == 0:
-                    chain.first_inputs.append(hidden.detach().clone())
-            return fn
-
-        for i, mod in enumerate(chain.mods):
-            handles.append(mod.register_forward_pre_hook(hook(i), with_kwargs=True))
-        try:
-            for j, w in enumerate(windows):
-                win["j"] = j
-                model(w.view(1, -1), use_cache=False)
-        except (_StopForward, TypeError) as exc:
-            chain.ok, chain.why = False, f"the decoder blocks' inputs could not be recorded ({type(exc).__name__})"
-        finally:
-            for h in handles:
-                h.remove()
-        if chain.ok and any(len(c) != len(windows) for c in chain.calls):
-            chain.ok, chain.why = False, "a decoder block ran a different number of times than there are windows"
-        if chain.ok:
-            chain._check()
-        return chain
-
-    def _check(self) -> None:
-        """Replaying block i on its recorded input must give block i+1's recorded input (window 0)."""
-        for i in range(len(self.mods) - 1):
-            args, kwargs = self.calls[i][0]
-            out = _first(self.mods[i](self.first_inputs[i], *args, **kwargs))
-            want = self.first_inputs[i + 1]
-            tol = 1e-5 * max(float(want.abs().max()), 1.0)
-            if out.shape != want.shape or not torch.allclose(out, want, rtol=1e-5, atol=tol):
-                self.ok, self.why = False, f"decoder block {i} does not feed block {i + 1} directly"
-                return
-        self.first_inputs = []
-
-    @torch.no_grad()
-    def run_block(self, i: int) -> None:
-        """Run block ``i`` on every window's current input (its Linears' hooks see the inputs)."""
-        for j, hidden in enumerate(self.hidden):
-            args, kwargs = self.calls[i][j]
-            self.mods[i](hidden, *args, **kwargs)
-
-    @torch.no_grad()
-    def advance(self, i: int) -> None:
-        """Replace every window's input by block ``i``'s output (with block ``i`` as it is now)."""
-        self.hidden = [_first(self.mods[i](h, *self.calls[i][j][0], **self.calls[i][j][1]))
-                       for j, h in enumerate(self.hidden)]
