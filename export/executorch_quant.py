@@ -15,7 +15,7 @@ from export.base import ExportError
 from export.linear_schemes import linear_scheme, module_schemes, quantization_mix
 
 if TYPE_CHECKING:
-    from export.executorch import ExecuTorchOptions
+    from export.executorch_options import ExecuTorchOptions
 
 
 def _is_lm_head(fqn: str) -> bool:

@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from targets.atomic import sha256_file
 from export.base import ExportError, exporter_for_artifact, get_exporter
@@ -273,31 +272,7 @@ def test_corrupted_pte_is_a_clear_error(exported, tmp_path, damage):
     assert ("does not exist" if damage == "missing" else "truncated, corrupted or not a .pte") in str(err.value)
 
 
-# ---- options and refusals (no lowering: these fail before torch.export) ----------------------
-
-
-@pytest.mark.parametrize(
-    "opts, message",
-    [
-        ({"quantize": "int8wo"}, "quantize\n  Input should be 'none', '8da4w' or '8da8w'"),
-        ({"group_size": 0}, "group_size\n  Input should be greater than 0"),
-        ({"embedding_quantize": "int2"}, "embedding_quantize\n  Input should be 'auto', 'int8' or 'int4'"),
-        ({"max_seq_len": 1}, "max_seq_len\n  Input should be greater than or equal to 2"),
-        ({"lm_head": "int4"}, "lm_head\n  Input should be 'same', 'fp32' or '8da8w'"),
-        ({"dtype": "bfloat16"}, "dtype\n  Input should be 'float32'"),
-        ({"weights": "ptd"}, "weights\n  Input should be 'embedded' or 'external'"),
-        ({"max_seqlen": 64}, "unknown key 'max_seqlen' (did you mean 'max_seq_len'?)"),
-    ],
-)
-def test_bad_options(opts, message):
-    with pytest.raises(ValidationError) as err:
-        ExecuTorchOptions.model_validate(opts)
-    assert message in str(err.value)
-
-
-def test_every_option_is_described():
-    for name, field in ExecuTorchOptions.model_fields.items():
-        assert field.description, name
+# ---- refusals for this model (before torch.export; the schema alone: test_executorch_options.py) ----
 
 
 @pytest.mark.parametrize(
