@@ -196,8 +196,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    from export.executorch_delegable import rotate_half_as_linear, static_reshapes
-    from export.executorch_llm import ExecuTorchDecoder, plan_layers, swap_rms_norms, swap_tanh_gelus
+    from export.executorch_delegable import rotate_half_as_linear, static_reshapes, swap_rms_norms, swap_tanh_gelus
+    from export.executorch_llm import ExecuTorchDecoder, plan_layers
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):

@@ -1,7 +1,7 @@
 """Rewrites that keep a decoder layer inside one XNNPACK subgraph.
 
 After attention and the KV cache go through ExecuTorch's LLM ops, what still falls back to the
-portable kernels (and splits each layer into several delegate calls) comes from two places:
+portable kernels (and splits each layer into several delegate calls) comes from these places:
 
 * **reshapes with a symbolic length.** transformers writes ``q.view(*input_shape, -1, head_dim)``:
   under a dynamic sequence length the exported shape is ``[1, s, -1, D]``, and XNNPACK's
@@ -12,13 +12,18 @@ portable kernels (and splits each layer into several delegate calls) comes from 
   slices only static shapes. :func:`rotate_half_as_linear` computes it as ``x @ R^T`` with a
   constant signed permutation ``R`` (a fully-connected op XNNPACK runs under dynamic shapes).
   Every output element is one input element times +-1 plus exact zeros, so it is bit-exact.
+* **RMSNorm's** ``mean`` over the last dim: :class:`XnnpackRMSNorm` takes it as a 4-D global
+  average pool, which XNNPACK runs (:func:`swap_rms_norms` swaps only norms it reproduces).
+* **tanh-GELU**: XNNPACK's GELU computes the erf form; :class:`TanhGELU` spells the tanh form out.
 
-Both leave the numbers unchanged; ``tests/export/test_executorch_delegable.py`` checks that.
+The reshapes and the rotation leave the numbers unchanged; ``tests/export/test_executorch_delegable.py``
+checks that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Iterator
 
@@ -124,3 +129,99 @@ def rotate_half_as_linear(model: nn.Module, owner: nn.Module) -> Iterator[int]:
     finally:
         for mod, orig in patched:
             mod.rotate_half = orig
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+class XnnpackRMSNorm(nn.Module):
+    """RMSNorm in ops XNNPACK delegates, so the norm does not split the delegated graph.
+
+    XNNPACK's ``mean.dim`` runs only over the two inner dims of a 4-D tensor, and its reshape
+    only takes static sizes with one inferred dim: so the input ``[B, T, *tail]`` is viewed as
+    ``[-1, a, b, 1]`` with static ``a, b``, reduced, and viewed back as ``[B, -1, *tail]``.
+    ``weight`` is the effective scale (Gemma's ``1 + w`` folded in).
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone().float(), requires_grad=False)
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        tail = [int(s) for s in h.shape[2:]]
+        if len(tail) == 1:
+            h4, w4 = h.view(-1, 1, tail[0], 1), self.weight.view(-1, 1)
+        elif len(tail) == 2:
+            h4, w4 = h.view(-1, tail[0], tail[1], 1), self.weight.view(-1, 1)
+        else:  # not a [B, T, hidden] or [B, T, heads, head_dim] input: plain formula
+            return (h * torch.rsqrt((h * h).mean(-1, keepdim=True) + self.eps) * self.weight).to(dtype)
+        ms = (h4 * h4).mean(dim=(2, 3), keepdim=True)
+        out = h4 * torch.rsqrt(ms + self.eps) * w4
+        return out.view(int(h.shape[0]), -1, *tail).to(dtype)
+
+
+def _norm_eps(m: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        v = getattr(m, name, None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+def swap_rms_norms(model: nn.Module) -> dict[str, int]:
+    """Replace every RMSNorm whose output a :class:`XnnpackRMSNorm` reproduces (checked on random
+    input, as ``w`` or Gemma's ``1 + w``); leave the others. Returns counts for the report."""
+    swapped = kept = 0
+    g = torch.Generator().manual_seed(0)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not type(child).__name__.endswith("RMSNorm") or isinstance(child, XnnpackRMSNorm):
+                continue
+            w = getattr(child, "weight", None)
+            eps = _norm_eps(child)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None:
+                kept += 1
+                continue
+            x = torch.randn(2, 3, w.shape[0], generator=g, dtype=w.dtype if w.is_floating_point() else torch.float32)
+            with torch.no_grad():
+                ref = child(x).float()
+                for cand in (w, 1.0 + w.float()):
+                    new = XnnpackRMSNorm(cand, eps)
+                    if torch.allclose(new(x).float(), ref, rtol=1e-4, atol=1e-5):
+                        setattr(parent, name, new)
+                        swapped += 1
+                        break
+                else:
+                    kept += 1
+    return {"swapped": swapped, "kept": kept}
+
+
+class TanhGELU(nn.Module):
+    """``gelu(x, approximate="tanh")`` spelled out in ops XNNPACK runs exactly. XNNPACK's GELU
+    ignores ``approximate`` (executorch 1.5.1) and computes the erf form, which moves a Gemma
+    model's logits by ~1e-3; the formula keeps the .pte on eager's numbers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def swap_tanh_gelus(model: nn.Module) -> int:
+    """Replace activation modules that compute tanh-approximated GELU (checked on random input)."""
+    swapped = 0
+    x = torch.linspace(-6, 6, 97)
+    want = torch.nn.functional.gelu(x, approximate="tanh")
+    erf = torch.nn.functional.gelu(x)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if "GELU" not in type(child).__name__.upper() or isinstance(child, TanhGELU) or list(child.parameters()):
+                continue
+            with torch.no_grad():
+                got = child(x)
+            if torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, erf, atol=1e-6):
+                setattr(parent, name, TanhGELU())
+                swapped += 1
+    return swapped

@@ -13,7 +13,7 @@ dozens of small XNNPACK subgraphs. Here instead, as optimum-executorch does:
 * sliding-window layers whose window is shorter than the cache use ExecuTorch's ring buffer
   (``CachePositionsManager``, twice the window, ``update_cache_with_indices``); the ring
   indices and the window mask are computed once per call and shared by every sliding layer;
-* RMSNorm is rewritten so its mean is a 4-D global average pool, which XNNPACK runs.
+* RMSNorm and tanh-GELU are rewritten (:mod:`export.executorch_delegable`) so XNNPACK runs them.
 
 :func:`plan_layers` says what a config needs (and what it cannot do) without weights, so the
 exporter can refuse at validation time.
@@ -21,7 +21,6 @@ exporter can refuse at validation time.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,102 +247,6 @@ def register_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, custom_sdpa_attention)
-
-
-# ---------------------------------------------------------------------------------------------
-# RMSNorm
-
-
-class XnnpackRMSNorm(nn.Module):
-    """RMSNorm in ops XNNPACK delegates, so the norm does not split the delegated graph.
-
-    XNNPACK's ``mean.dim`` runs only over the two inner dims of a 4-D tensor, and its reshape
-    only takes static sizes with one inferred dim: so the input ``[B, T, *tail]`` is viewed as
-    ``[-1, a, b, 1]`` with static ``a, b``, reduced, and viewed back as ``[B, -1, *tail]``.
-    ``weight`` is the effective scale (Gemma's ``1 + w`` folded in).
-    """
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone().float(), requires_grad=False)
-        self.eps = float(eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        tail = [int(s) for s in h.shape[2:]]
-        if len(tail) == 1:
-            h4, w4 = h.view(-1, 1, tail[0], 1), self.weight.view(-1, 1)
-        elif len(tail) == 2:
-            h4, w4 = h.view(-1, tail[0], tail[1], 1), self.weight.view(-1, 1)
-        else:  # not a [B, T, hidden] or [B, T, heads, head_dim] input: plain formula
-            return (h * torch.rsqrt((h * h).mean(-1, keepdim=True) + self.eps) * self.weight).to(dtype)
-        ms = (h4 * h4).mean(dim=(2, 3), keepdim=True)
-        out = h4 * torch.rsqrt(ms + self.eps) * w4
-        return out.view(int(h.shape[0]), -1, *tail).to(dtype)
-
-
-def _norm_eps(m: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps", "epsilon"):
-        v = getattr(m, name, None)
-        if isinstance(v, (int, float)):
-            return float(v)
-    return None
-
-
-def swap_rms_norms(model: nn.Module) -> dict[str, int]:
-    """Replace every RMSNorm whose output a :class:`XnnpackRMSNorm` reproduces (checked on random
-    input, as ``w`` or Gemma's ``1 + w``); leave the others. Returns counts for the report."""
-    swapped = kept = 0
-    g = torch.Generator().manual_seed(0)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not type(child).__name__.endswith("RMSNorm") or isinstance(child, XnnpackRMSNorm):
-                continue
-            w = getattr(child, "weight", None)
-            eps = _norm_eps(child)
-            if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None:
-                kept += 1
-                continue
-            x = torch.randn(2, 3, w.shape[0], generator=g, dtype=w.dtype if w.is_floating_point() else torch.float32)
-            with torch.no_grad():
-                ref = child(x).float()
-                for cand in (w, 1.0 + w.float()):
-                    new = XnnpackRMSNorm(cand, eps)
-                    if torch.allclose(new(x).float(), ref, rtol=1e-4, atol=1e-5):
-                        setattr(parent, name, new)
-                        swapped += 1
-                        break
-                else:
-                    kept += 1
-    return {"swapped": swapped, "kept": kept}
-
-
-class TanhGELU(nn.Module):
-    """``gelu(x, approximate="tanh")`` spelled out in ops XNNPACK runs exactly. XNNPACK's GELU
-    ignores ``approximate`` (executorch 1.5.1) and computes the erf form, which moves a Gemma
-    model's logits by ~1e-3; the formula keeps the .pte on eager's numbers."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
-
-
-def swap_tanh_gelus(model: nn.Module) -> int:
-    """Replace activation modules that compute tanh-approximated GELU (checked on random input)."""
-    swapped = 0
-    x = torch.linspace(-6, 6, 97)
-    want = torch.nn.functional.gelu(x, approximate="tanh")
-    erf = torch.nn.functional.gelu(x)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if "GELU" not in type(child).__name__.upper() or isinstance(child, TanhGELU) or list(child.parameters()):
-                continue
-            with torch.no_grad():
-                got = child(x)
-            if torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, erf, atol=1e-6):
-                setattr(parent, name, TanhGELU())
-                swapped += 1
-    return swapped
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def test_model_without_rope_is_left_alone():
 def test_static_reshapes_keep_the_program_exact():
     """After the rewrite no reshape carries a symbolic size (XNNPACK refuses those), and the
     exported program computes the same logits at two sequence lengths."""
-    from export.executorch_llm import ExecuTorchDecoder, plan_layers, swap_rms_norms
+    from export.executorch_delegable import swap_rms_norms
+    from export.executorch_llm import ExecuTorchDecoder, plan_layers
 
     model = _tiny("qwen2")
     swap_rms_norms(model)

@@ -194,7 +194,8 @@ def test_program_runs_the_custom_ops(lowered, family):
 def _graph_ops(family: str, layers: int) -> dict[str, int]:
     from collections import Counter
 
-    from export.executorch_llm import ExecuTorchDecoder, plan_layers, swap_rms_norms
+    from export.executorch_delegable import swap_rms_norms
+    from export.executorch_llm import ExecuTorchDecoder, plan_layers
 
     over = {"num_hidden_layers": layers}
     if family == "gemma3-hybrid":
