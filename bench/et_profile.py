@@ -72,7 +72,7 @@ def group_call(events: list[tuple[str, bool, float]]) -> dict[str, float]:
             last_kernel = name
     out["runtime_glue"] = max(0.0, out["execute"] - out["delegate_calls"] - sum(
         out[k] for k in ("custom_sdpa", "update_cache", "portable_kernels")))
-    return {**{k: v for k, v in out.items()}, **{f"n_{k}": v for k, v in count.items()}}
+    return {**out, **{f"n_{k}": v for k, v in count.items()}}
 
 
 def breakdown(per_call: list[dict[str, float]]) -> dict[str, float]:
@@ -130,10 +130,13 @@ def table(results: list[dict]) -> str:
         cells = []
         for r in results:
             ms = r["ms"].get(key, 0.0)
+            if key == "execute":
+                cells.append(f"{ms:.3f}")
+                continue
+            share = ms / r["ms"]["execute"] if r["ms"].get("execute") else 0.0
             n = r["ms"].get("n_delegate_calls" if key == "delegate_overhead" else f"n_{key}")
             what = "delegate calls" if key == "delegate_overhead" else "calls"
-            share = ms / r["ms"]["execute"] if r["ms"].get("execute") else 0.0
-            cells.append(f"{ms:.3f}" + (f" ({share:.0%}" + (f", {n:.0f} {what})" if n else ")") if key != "execute" else ""))
+            cells.append(f"{ms:.3f} ({share:.0%}" + (f", {n:.0f} {what})" if n else ")"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -268,7 +268,15 @@ def gptq_model(
             feed()
         finally:
             collector.close()
-        _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init)
+        result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
+        for name in names:  # GPTQ each Linear from its Hessian; install the de-quantized grid values
+            if name not in collector.h:
+                raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
+            lin = model.get_submodule(name)
+            res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
+                             act_order=act_order, scale_init=scale_init)
+            lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
+            result.layers[name] = res
         if log:
             log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
         result.steps.append(label)
@@ -308,16 +316,3 @@ def gptq_model(
             if stop is not None:
                 stop.remove()
     return result
-
-
-def _quantize_names(model, names, collector, targets, result, damp, block_size, act_order, scale_init) -> None:
-    """GPTQ each named Linear from its collected Hessian; install the de-quantized grid values."""
-    result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
-    for name in names:
-        if name not in collector.h:
-            raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
-        lin = model.get_submodule(name)
-        res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
-                         act_order=act_order, scale_init=scale_init)
-        lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
-        result.layers[name] = res
