@@ -177,7 +177,8 @@ class Bench:
         from optimize.finetune import finetune
         from optimize.losses import DistillLoss
         from optimize.stage_api import get_stage
-        from optimize.stages.ptq_int8 import Ptq8Config, linear_config, plan
+        from optimize.stages._ptq_plan import plan
+        from optimize.stages.ptq_int8 import Ptq8Config, linear_config
         from optimize.stages.qat import QatConfig
 
         row = {"row": "qat", "ppl_fp32": self.ppl(self.model)}

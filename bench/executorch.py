@@ -159,7 +159,7 @@ def export_peer(hf_dir: Path, cache: Path) -> tuple[Path, dict]:
     if (out / "model.pte").exists() and meta.exists():
         log(f"peer: reusing {out}")
         return out / "model.pte", {**json.loads(meta.read_text()), "cached": True}
-    py = peer_venv(venv)
+    peer_venv(venv)  # builds it once; the export runs its optimum-cli
     tmp = out.with_name(out.name + ".partial")
     subprocess.run(["rm", "-rf", str(tmp)], check=True)
     log("peer: optimum-cli export executorch ... --qlinear 8da4w (about 6 minutes)")

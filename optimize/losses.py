@@ -112,7 +112,8 @@ class DistillLoss:
         """``(1 - alpha) * T^2 * KL + alpha * CE`` on this batch."""
         ids, labels = batch["input_ids"], batch["labels"]
         if self._chunked(model):
-            from train.chunked_loss import ChunkedLossError, chunked_kl_to_teacher, lm_hidden_and_head
+            from train.chunked_loss import chunked_kl_to_teacher
+            from train.lm_head import ChunkedLossError, lm_hidden_and_head
 
             try:
                 with torch.no_grad():

@@ -14,48 +14,23 @@ import logging
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from export.runtime import EagerRunner, Runner
-from export.verify import greedy_match, logits_parity
 from optimize import checkpoints as ckpt
-from optimize.checks.accuracy import BaselineLogits, evaluate, eval_windows
-from optimize.checks.latency import measure_latency, torch_threads
-from optimize.checks.size import parameter_count, serialized_bytes
+from optimize.checks.accuracy import eval_windows
 from optimize.config import PipelineConfigBase, dump_config, export_options, load_config, model_problems
 from optimize.errors import ConfigError
 from optimize.gates import evaluate_gates
 from optimize.gates_config import GatesConfig, MetricGoal
+from optimize.measure import RunState, measure_eager, measure_runner
 from optimize.report import Metrics, Report, StageRow, write_report
 from optimize.stage_api import StageContext, get_stage
 
 log = logging.getLogger("optimize")
-
-MIB = 1024 * 1024
-
-
-@dataclass
-class _RunState:
-    cfg: PipelineConfigBase
-    run_dir: Path
-    profile: Any
-    tokenizer: Any
-    eval_windows: list[torch.Tensor]
-    calibration: list[torch.Tensor]
-    train_ids: torch.Tensor
-    prompt: torch.Tensor
-    baseline_logits: BaselineLogits = field(default_factory=BaselineLogits)
-    baseline_metrics: Metrics | None = None
-    quantized: bool = False
-    #: hash of the config up to the last stage: what the exported model is (keys the export cache)
-    model_digest: str = ""
-    say: Callable[[str], None] = print
-
 
 def run_pipeline(
     config: PipelineConfigBase | str | Path,
@@ -117,7 +92,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
         say(f"data.seq_len {seq_len} exceeds target max_seq_len {profile.max_seq_len}; using {profile.max_seq_len}")
         seq_len = profile.max_seq_len
     lat = cfg.checks.latency
-    state = _RunState(
+    state = RunState(
         cfg=cfg, run_dir=run_dir, profile=profile, tokenizer=tokenizer,
         eval_windows=eval_windows(splits.eval_ids, seq_len),
         calibration=[w for w in _calib_windows(splits.calib_ids, seq_len)],
@@ -129,7 +104,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     # ---- baseline
     t0 = time.perf_counter()
     base_row = StageRow(index=-1, name="baseline", kind="baseline", details={"source": loaded.description})
-    base_row.metrics = _measure_eager(state, model, keep_baseline=True, timed=True)
+    base_row.metrics = measure_eager(state, model, keep_baseline=True, timed=True)
     base_row.wall_s = time.perf_counter() - t0
     state.baseline_metrics = base_row.metrics
     report.rows.append(base_row)
@@ -177,7 +152,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
             model.eval()
             state.quantized = state.quantized or stage_cfg.quant_scheme() is not None
             row.details = ctx.details
-            row.metrics = _measure_eager(state, model, timed=not state.quantized or state.profile is None
+            row.metrics = measure_eager(state, model, timed=not state.quantized or state.profile is None
                                          or cfg.checks.latency.eager_quantized)
         except Exception as exc:  # a broken stage stops the run; earlier work is kept
             _record_error(report, row, exc, t0, say)
@@ -242,36 +217,7 @@ def _status(results, gates: GatesConfig) -> str:
     return "warn" if gates.on_fail == "warn" else "fail"
 
 
-def _measure_eager(state: _RunState, model: torch.nn.Module, *, keep_baseline: bool = False, timed: bool = True) -> Metrics:
-    cfg = state.cfg
-    runner = EagerRunner(model)
-    m = Metrics(params=parameter_count(model), size_mb=serialized_bytes(model) / MIB)
-    if cfg.checks.accuracy:
-        with torch_threads(cfg.checks.latency.threads):
-            acc = evaluate(runner, state.eval_windows, None if keep_baseline else state.baseline_logits,
-                           keep=state.baseline_logits if keep_baseline else None,
-                           desc="baseline" if keep_baseline else "eval")
-        m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
-        m.top1_agreement = 1.0 if keep_baseline else acc.top1_agreement
-        m.kl_divergence = 0.0 if keep_baseline else acc.kl_divergence
-        if state.baseline_metrics is not None and state.baseline_metrics.perplexity:
-            m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
-        elif keep_baseline:
-            m.perplexity_delta_pct = 0.0
-    lat = cfg.checks.latency
-    if lat.enabled and timed:
-        _fill_latency(m, runner, state)
-    return m
-
-
-def _fill_latency(m: Metrics, runner: Runner, state: _RunState) -> None:
-    lat = state.cfg.checks.latency
-    res = measure_latency(runner, state.prompt, lat.decode_tokens, runs=lat.runs, warmup=lat.warmup, threads=lat.threads)
-    m.prefill_ms, m.prefill_tokens = res["prefill_ms"], res["prefill_tokens"]
-    m.decode_tok_s, m.decode_tokens = res["decode_tok_s"], res["decode_tokens"]
-
-
-def _export(state: _RunState, model: torch.nn.Module, report: Report) -> None:
+def _export(state: RunState, model: torch.nn.Module, report: Report) -> None:
     """Export (or reuse a cached export of) the final model; one gated row per artifact."""
     from export.base import get_exporter
     from optimize import export_cache
@@ -353,7 +299,7 @@ def _result_from_cache(d: dict):
                         extra_details=d.get("extra_details", {}))
 
 
-def _verify_export(state: _RunState, model: torch.nn.Module, exporter, result, label: str) -> list[StageRow]:
+def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, label: str) -> list[StageRow]:
     """Measure every artifact of an export in its runtime against eager: one row each."""
     index = len(state.cfg.stages)
     rows = []
@@ -364,57 +310,12 @@ def _verify_export(state: _RunState, model: torch.nn.Module, exporter, result, l
         runner = exporter.load(path)
         row = StageRow(index=index, name=name, kind=label, runtime=runner.runtime, artifact=str(path), details=details)
         try:
-            row.metrics = _measure_runner(state, model, runner, row.details)
+            row.metrics = measure_runner(state, model, runner, row.details)
         finally:
             runner.close()
         row.wall_s = time.perf_counter() - t0
         rows.append(row)
     return rows
-
-
-def _measure_runner(state: _RunState, model: torch.nn.Module, runner: Runner, details: dict) -> Metrics:
-    """Accuracy against the baseline, parity and greedy agreement with eager, size and latency."""
-    cfg = state.cfg
-    m = Metrics(params=parameter_count(model))
-    size = runner.size_bytes()
-    m.size_mb = size / MIB if size is not None else None
-    details["runtime"] = runner.describe()
-    eager = EagerRunner(model)
-    with torch_threads(cfg.checks.latency.threads):
-        if cfg.checks.accuracy:
-            acc = evaluate(runner, state.eval_windows, state.baseline_logits, desc=runner.runtime)
-            m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
-            m.top1_agreement, m.kl_divergence = acc.top1_agreement, acc.kl_divergence
-            m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
-            details["parity_vs_eager"] = logits_parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
-        if cfg.checks.generate_tokens:
-            details["greedy"] = _greedy_compare(eager, runner, state)
-    if cfg.checks.latency.enabled:
-        _fill_latency(m, runner, state)
-        if hasattr(runner, "llm_runner_report"):  # a .pte: also through the C++ runner that apps embed
-            lat = cfg.checks.latency
-            rep = details["llm_runner"] = runner.llm_runner_report(
-                state.prompt, state.tokenizer, greedy_tokens=max(1, cfg.checks.generate_tokens),
-                decode_tokens=lat.decode_tokens, runs=lat.runs, warmup=lat.warmup)
-            if rep["used"]:
-                s = rep["stats"]
-                state.say(f"ExecuTorch C++ runner: greedy {'matches' if rep['greedy']['match'] else 'DIFFERS from'} "
-                          f"the Python loop; prefill {s['prefill_ms']:.0f} ms ({s['prompt_tokens']} tokens), "
-                          f"decode {s['decode_tok_s'] or 0:.1f} tok/s")
-    return m
-
-
-def _greedy_compare(eager: Runner, runner: Runner, state: _RunState) -> dict:
-    """Greedy tokens from eager and from the runtime, with where (if anywhere) they diverge."""
-    n = state.cfg.checks.generate_tokens
-    res = greedy_match(eager, runner, state.prompt[: min(32, state.prompt.numel())], n)
-    return {
-        "tokens": n,
-        "match": res["match"],
-        "diverged_at": res["diverged_at"],
-        "eager_text": state.tokenizer.decode(res["ref_ids"]),
-        "runtime_text": state.tokenizer.decode(res["test_ids"]),
-    }
 
 
 def _budget_gates(profile) -> GatesConfig | None:

@@ -29,7 +29,8 @@ from torch import nn
 from optimize.stage_api import StageContext, register_stage
 from optimize.stages._select import is_tied
 from optimize.stages.distill import TrainingStageConfig, resolve_teacher, run_training
-from optimize.stages.ptq_int8 import Ptq8Config, _untie_config, linear_config, plan
+from optimize.stages._ptq_plan import plan, untie_config
+from optimize.stages.ptq_int8 import Ptq8Config, linear_config
 
 
 class QatConfig(TrainingStageConfig):
@@ -152,7 +153,7 @@ def qat(model: nn.Module, cfg: QatConfig, ctx: StageContext) -> nn.Module:
 
     untied = was_tied and not is_tied(in_emb, out_emb)
     if untied:
-        _untie_config(model)
+        untie_config(model)
     ctx.details.update(
         {
             "scheme": scheme,

@@ -92,18 +92,18 @@ def test_pipeline_verification_reports_the_llm_runner(pte, tiny):
     """The export row's verification runs the .pte through the C++ runner too: its greedy tokens
     against the Python loop's and its own stats land in the row's details beside the loop's figures."""
     from optimize.config import load_config
-    from optimize.pipeline import _measure_runner, _RunState
+    from optimize.measure import RunState, measure_runner
 
     cfg = load_config({"version": 1, "name": "t", "model": {"source": "random", "config": dict(TINY)}, "stages": [],
                        "checks": {"accuracy": False, "generate_tokens": 6,
                                   "latency": {"prompt_tokens": 16, "decode_tokens": 4, "runs": 1, "warmup": 0}}},
                       check_model=False)
     said = []
-    state = _RunState(cfg=cfg, run_dir=None, profile=None, tokenizer=tiny.tokenizer, eval_windows=[], calibration=[],
+    state = RunState(cfg=cfg, run_dir=None, profile=None, tokenizer=tiny.tokenizer, eval_windows=[], calibration=[],
                       train_ids=torch.zeros(0, dtype=torch.long), prompt=torch.tensor(tiny.tokenizer(PROMPT)["input_ids"]),
                       say=said.append)
     details: dict = {}
-    metrics = _measure_runner(state, tiny.model, ExecuTorchRunner(pte), details)
+    metrics = measure_runner(state, tiny.model, ExecuTorchRunner(pte), details)
     rep = details["llm_runner"]
     assert rep["used"] and rep["greedy"]["match"] and rep["greedy"]["tokens"] == 6, rep
     assert rep["stats"]["generated_tokens"] == 4 and metrics.decode_tok_s is not None

@@ -10,15 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from train.chunked_loss import (
-    ChunkedLossError,
-    LMHead,
-    check_head_matches_logits,
-    chunked_cross_entropy,
-    chunked_kl_to_teacher,
-    chunked_lm_loss,
-    lm_head_of,
-)
+from train.chunked_loss import check_head_matches_logits, chunked_cross_entropy, chunked_kl_to_teacher, chunked_lm_loss
+from train.lm_head import ChunkedLossError, LMHead, lm_head_of
 from train.loop import causal_lm_loss
 
 

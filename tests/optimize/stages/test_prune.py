@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from optimize.errors import ConfigError
 from optimize.stage_api import StageContext, get_stage

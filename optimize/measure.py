@@ -1,0 +1,119 @@
+"""Measurements of a pipeline run: a model in eager mode after each stage, and an exported
+artifact in its runtime, against the baseline (perplexity, logit agreement, parity and greedy
+tokens against eager, size, latency).
+
+Why apart from :mod:`optimize.pipeline`: the runner decides what runs and what is gated; this
+module decides what a row's numbers are, and is what a test calls to check one row's figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from export.runtime import EagerRunner, Runner
+from export.verify import greedy_match, logits_parity
+from optimize.checks.accuracy import BaselineLogits, evaluate
+from optimize.checks.latency import measure_latency, torch_threads
+from optimize.checks.size import parameter_count, serialized_bytes
+from optimize.config import PipelineConfigBase
+from optimize.report import Metrics
+
+MIB = 1024 * 1024
+
+
+@dataclass
+class RunState:
+    """What a run's measurements need: its config, data windows, prompt and the baseline to compare with."""
+
+    cfg: PipelineConfigBase
+    run_dir: Path
+    profile: Any
+    tokenizer: Any
+    eval_windows: list[torch.Tensor]
+    calibration: list[torch.Tensor]
+    train_ids: torch.Tensor
+    prompt: torch.Tensor
+    baseline_logits: BaselineLogits = field(default_factory=BaselineLogits)
+    baseline_metrics: Metrics | None = None
+    quantized: bool = False
+    #: hash of the config up to the last stage: what the exported model is (keys the export cache)
+    model_digest: str = ""
+    say: Callable[[str], None] = print
+
+
+def measure_eager(state: RunState, model: torch.nn.Module, *, keep_baseline: bool = False, timed: bool = True) -> Metrics:
+    cfg = state.cfg
+    runner = EagerRunner(model)
+    m = Metrics(params=parameter_count(model), size_mb=serialized_bytes(model) / MIB)
+    if cfg.checks.accuracy:
+        with torch_threads(cfg.checks.latency.threads):
+            acc = evaluate(runner, state.eval_windows, None if keep_baseline else state.baseline_logits,
+                           keep=state.baseline_logits if keep_baseline else None,
+                           desc="baseline" if keep_baseline else "eval")
+        m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
+        m.top1_agreement = 1.0 if keep_baseline else acc.top1_agreement
+        m.kl_divergence = 0.0 if keep_baseline else acc.kl_divergence
+        if state.baseline_metrics is not None and state.baseline_metrics.perplexity:
+            m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
+        elif keep_baseline:
+            m.perplexity_delta_pct = 0.0
+    lat = cfg.checks.latency
+    if lat.enabled and timed:
+        fill_latency(m, runner, state)
+    return m
+
+
+def fill_latency(m: Metrics, runner: Runner, state: RunState) -> None:
+    lat = state.cfg.checks.latency
+    res = measure_latency(runner, state.prompt, lat.decode_tokens, runs=lat.runs, warmup=lat.warmup, threads=lat.threads)
+    m.prefill_ms, m.prefill_tokens = res["prefill_ms"], res["prefill_tokens"]
+    m.decode_tok_s, m.decode_tokens = res["decode_tok_s"], res["decode_tokens"]
+
+
+def measure_runner(state: RunState, model: torch.nn.Module, runner: Runner, details: dict) -> Metrics:
+    """Accuracy against the baseline, parity and greedy agreement with eager, size and latency."""
+    cfg = state.cfg
+    m = Metrics(params=parameter_count(model))
+    size = runner.size_bytes()
+    m.size_mb = size / MIB if size is not None else None
+    details["runtime"] = runner.describe()
+    eager = EagerRunner(model)
+    with torch_threads(cfg.checks.latency.threads):
+        if cfg.checks.accuracy:
+            acc = evaluate(runner, state.eval_windows, state.baseline_logits, desc=runner.runtime)
+            m.perplexity, m.eval_tokens = acc.perplexity, acc.tokens
+            m.top1_agreement, m.kl_divergence = acc.top1_agreement, acc.kl_divergence
+            m.perplexity_delta_pct = 100.0 * (acc.perplexity / state.baseline_metrics.perplexity - 1.0)
+            details["parity_vs_eager"] = logits_parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
+        if cfg.checks.generate_tokens:
+            details["greedy"] = greedy_compare(eager, runner, state)
+    if cfg.checks.latency.enabled:
+        fill_latency(m, runner, state)
+        if hasattr(runner, "llm_runner_report"):  # a .pte: also through the C++ runner that apps embed
+            lat = cfg.checks.latency
+            rep = details["llm_runner"] = runner.llm_runner_report(
+                state.prompt, state.tokenizer, greedy_tokens=max(1, cfg.checks.generate_tokens),
+                decode_tokens=lat.decode_tokens, runs=lat.runs, warmup=lat.warmup)
+            if rep["used"]:
+                s = rep["stats"]
+                state.say(f"ExecuTorch C++ runner: greedy {'matches' if rep['greedy']['match'] else 'DIFFERS from'} "
+                          f"the Python loop; prefill {s['prefill_ms']:.0f} ms ({s['prompt_tokens']} tokens), "
+                          f"decode {s['decode_tok_s'] or 0:.1f} tok/s")
+    return m
+
+
+def greedy_compare(eager: Runner, runner: Runner, state: RunState) -> dict:
+    """Greedy tokens from eager and from the runtime, with where (if anywhere) they diverge."""
+    n = state.cfg.checks.generate_tokens
+    res = greedy_match(eager, runner, state.prompt[: min(32, state.prompt.numel())], n)
+    return {
+        "tokens": n,
+        "match": res["match"],
+        "diverged_at": res["diverged_at"],
+        "eager_text": state.tokenizer.decode(res["ref_ids"]),
+        "runtime_text": state.tokenizer.decode(res["test_ids"]),
+    }
