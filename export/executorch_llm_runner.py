@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from export.blas_threads import serial_torch
+
 #: metadata methods TextLLMRunner reads (get_max_seq_len is required, the rest have defaults)
 REQUIRED_METHODS = ("get_max_seq_len",)
 READ_METHODS = ("get_max_seq_len", "get_max_context_len", "use_kv_cache", "enable_dynamic_shape", "get_eos_ids")
@@ -242,7 +244,7 @@ class NativeLLMRunner:
         cfg = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, temperature=0.0, warming=True,
                                num_bos=num_bos)
         self._runner.reset()
-        with captured_stderr() as log:
+        with captured_stderr() as log, serial_torch():
             try:
                 self._runner.generate(text, cfg, on_token, stats.append)
             except UnicodeDecodeError as exc:

@@ -276,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from export import blas_threads
+
+    # before torch loads: MKL stays serial on ExecuTorch's workers, eager torch keeps its threads
+    blas_threads.apply(blas_threads.serial_mkl_env())
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     if not args.verbose:

@@ -10,7 +10,10 @@ import os
 import warnings
 
 import pytest
-import torch
+
+# before torch loads (export/blas_threads.py): MKL serial on ExecuTorch's workers, as the CLI runs it
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("TEST_THREADS", "1")))
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")

@@ -185,3 +185,39 @@ def test_report_shows_delegation_and_the_llm_runner():
     assert ("- export:executorch, ExecuTorch C++ runner (TextLLMRunner): prefill 118 ms for 128 tokens, decode 301.5 "
             "tok/s; greedy 16 tokens equal the Python loop's") in md
     assert "- export:other, ExecuTorch C++ runner not used: no tokenizer file" in md
+
+
+def test_programs_run_at_one_torch_thread_and_eager_keeps_its_own(pte, tiny):
+    """The Python loop and the C++ runner call ExecuTorch with libtorch at one intra-op thread
+    (export/blas_threads.py: threaded MKL inside custom_sdpa fights XNNPACK), and restore the
+    caller's count afterwards."""
+    runner = ExecuTorchRunner(pte)
+    seen = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if name not in ("execute", "generate"):
+                return attr
+
+            def call(*a, **k):
+                seen.append((name, torch.get_num_threads()))
+                return attr(*a, **k)
+            return call
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner._method = Spy(runner._method)
+        runner.forward(torch.tensor([5, 6, 7]))
+        assert torch.get_num_threads() == 2
+        llm = runner.llm_runner()
+        llm._runner = Spy(llm._runner)
+        llm.generate(PROMPT, 2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert ("execute", 1) in seen and ("generate", 1) in seen and all(n == 1 for _, n in seen), seen
