@@ -196,8 +196,10 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    from export.executorch_delegable import rotate_half_as_linear, static_reshapes, swap_rms_norms, swap_tanh_gelus
+    from export.executorch_delegable import split_as_slices, static_reshapes, swap_rms_norms, swap_tanh_gelus
+    from export.executorch_fusion import fuse_projections, merge_duplicate_linears
     from export.executorch_llm import ExecuTorchDecoder, plan_layers
+    from export.xnnpack_slices import dynamic_slices, partitioner_configs
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_input_embeddings"):
@@ -220,6 +222,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     eager_schemes = module_schemes(model)
     norms = swap_rms_norms(model)
     gelus = swap_tanh_gelus(model)
+    fusion = fuse_projections(model) if opts.fuse_projections else None
 
     timings = {}
     t0 = time.perf_counter()
@@ -229,7 +232,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     example = min(4, chunk)
     log(f"executorch: torch.export (max_seq_len={n}, prefill chunk {chunk}, linear layers: {mix})")
     try:
-        with torch.no_grad(), rotate_half_as_linear(model, decoder) as rope_patched:
+        with torch.no_grad():
             ep = torch.export.export(
                 decoder,
                 (torch.zeros(1, example, dtype=torch.long), torch.arange(example)),
@@ -240,9 +243,12 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
         raise ExportError(f"torch.export of {type(model).__name__} with ExecuTorch's LLM ops failed: {exc}") from exc
     timings["torch_export_s"] = time.perf_counter() - t0
     reshapes = static_reshapes(ep)
+    splits = split_as_slices(ep)
     custom_ops = _check_custom_ops(ep, plan)
     graph_schemes = exported_linear_schemes(ep)
     check_mix(eager_schemes, graph_schemes)
+    # after the scheme check (which reads every member's own linear): one GEMM per fused group
+    merged = merge_duplicate_linears(ep)
     meta = _metadata(model, tokenizer, opts, n, chunk, plan)
     external = opts.weights == "external"
     if external:
@@ -250,12 +256,13 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     log("executorch: lowering to XNNPACK (minutes for a full-size model)")
     t0 = time.perf_counter()
     try:
-        edge = to_edge_transform_and_lower(
-            ep,
-            partitioner=[XnnpackPartitioner()],
-            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-            constant_methods=meta,
-        )
+        with dynamic_slices():  # a fused projection's split stays inside XNNPACK under a dynamic length
+            edge = to_edge_transform_and_lower(
+                ep,
+                partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+                compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+                constant_methods=meta,
+            )
         delegation = _delegation(edge.exported_program().graph_module)
         # quant fusion turns torchao's dequantize+embedding into quantized_decomposed::embedding_*;
         # graph inputs are not planned into the arena (the runner owns them)
@@ -275,8 +282,9 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     emb_scheme = linear_scheme(model.get_input_embeddings().weight).replace("wo", "")
     details = {"delegation": delegation,
                "llm_ops": {**custom_ops, "rms_norm_swapped": norms["swapped"], "rms_norm_kept": norms["kept"],
-                           "tanh_gelu_swapped": gelus, "rotate_half_as_linear": bool(rope_patched),
-                           "static_reshapes": reshapes, "logits": opts.logits,
+                           "tanh_gelu_swapped": gelus,
+                           "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
+                           "fused_projections": fusion, "merged_linears": merged,
                            "prefill_chunk": chunk, "sliding_windows": plan.windows,
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,

@@ -8,31 +8,31 @@ portable kernels (and splits each layer into several delegate calls) comes from 
   ``static_reshape`` takes at most one inferred dim and no symbolic one. The same holds for
   ``unsqueeze`` (no XNNPACK op at all). :func:`static_reshapes` rewrites each to a ``view`` whose
   only unknown is the ``-1`` in place of the sequence length, which XNNPACK runs.
-* **RoPE's** ``rotate_half`` slices the last dim (``cat(-x[..., D/2:], x[..., :D/2])``); XNNPACK
-  slices only static shapes. :func:`rotate_half_as_linear` computes it as ``x @ R^T`` with a
-  constant signed permutation ``R`` (a fully-connected op XNNPACK runs under dynamic shapes).
-  Every output element is one input element times +-1 plus exact zeros, so it is bit-exact.
+* **RoPE's** ``rotate_half`` slices the last dim and concatenates (``cat(-x[..., D/2:], x[..., :D/2])``):
+  with :mod:`export.xnnpack_slices` those static-dim slices run inside XNNPACK as they are. (An
+  earlier version computed it as a linear against a constant signed permutation; the slices are
+  exact by definition and prefill-128 of SmolLM2 8da4w took 74-75 ms instead of 80-83.)
 * **RMSNorm's** ``mean`` over the last dim: :class:`XnnpackRMSNorm` takes it as a linear against a
   constant ``1/dim`` row, which XNNPACK runs (:func:`swap_rms_norms` swaps only norms it reproduces).
 * **tanh-GELU**: XNNPACK's GELU computes the erf form; :class:`TanhGELU` spells the tanh form out.
+* **splits, aliases and empty concatenations** (Phi-3's ``qkv`` and ``gate_up.chunk(2)``, GPT-2's
+  ``c_attn.split``, a full-width "partial" rotary's ``cat([rotated, x[..., D:]])``): none of them
+  has an XNNPACK op. :func:`split_as_slices` turns each split output into a slice along its static
+  dim (which :mod:`export.xnnpack_slices` delegates), drops aliases and zero-width concat inputs.
 
-The reshapes and the rotation leave the numbers unchanged; ``tests/export/test_executorch_delegable.py``
+The reshapes and the split rewrite leave the numbers unchanged; ``tests/export/test_executorch_delegable.py``
 checks that.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import sys
-from typing import Iterator
 
 import torch
 from torch import nn
 
-#: name prefix of the rotation buffers; export/linear_schemes.py leaves these linears out of the mix
-ROPE_BUFFER_PREFIX = "_rope_rotation_"
-#: name of :class:`XnnpackRMSNorm`'s ``1/dim`` row (its mean of squares is a linear); left out of the mix too
+#: name of :class:`XnnpackRMSNorm`'s ``1/dim`` row (its mean of squares is a linear); export/linear_schemes.py
+#: leaves that linear out of the mix
 NORM_MEAN_BUFFER = "_rms_mean_row"
 # ``reshape`` is already decomposed into ``view`` by export; ``_unsafe_view`` is a view of a fresh copy
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.unsqueeze.default)
@@ -65,72 +65,69 @@ def static_reshapes(ep: torch.export.ExportedProgram) -> int:
     return changed
 
 
-def rotation_matrix(dim: int) -> torch.Tensor:
-    """``R`` with ``x @ R.T == rotate_half(x)`` for a last dim of ``dim`` (even)."""
-    if dim % 2:
-        raise ValueError(f"rotate_half needs an even dim, got {dim}")
-    half = dim // 2
-    r = torch.zeros(dim, dim)
-    idx = torch.arange(half)
-    r[idx, idx + half] = -1.0  # out[i] = -x[i + D/2]
-    r[idx + half, idx] = 1.0  # out[i + D/2] = x[i]
-    return r
+_SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default)
 
 
-def _rotary_dims(config) -> set[int]:
-    """Last-dim sizes ``rotate_half`` sees: the head dim, or its rotary part (partial RoPE)."""
-    from export.executorch_llm import _text_config
-
-    cfg = _text_config(config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dims = {int(head_dim)}
-    factor = getattr(cfg, "partial_rotary_factor", None)
-    if factor is None:
-        factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor")
-    if factor:
-        dims.add(int(head_dim * float(factor)))
-    return {d for d in dims if d > 0 and d % 2 == 0}
+def _split_sizes(node: torch.fx.Node, extent: int) -> list[int] | None:
+    if node.target is torch.ops.aten.split_with_sizes.default:
+        sizes = list(node.args[1])
+        return sizes if all(isinstance(s, int) for s in sizes) else None
+    n = node.args[1]
+    if not isinstance(n, int) or n < 1:
+        return None
+    step = n if node.target is torch.ops.aten.split.Tensor else -(-extent // n)  # chunk: ceil(extent / n)
+    return [min(step, extent - i) for i in range(0, extent, step)]
 
 
-@contextlib.contextmanager
-def rotate_half_as_linear(model: nn.Module, owner: nn.Module) -> Iterator[int]:
-    """While tracing, make the model's ``rotate_half`` a linear with a constant rotation.
+def split_as_slices(ep: torch.export.ExportedProgram) -> int:
+    """Rewrite splits along a static dim as slices, aliases as their input, and drop zero-width inputs
+    of a concatenation (a lone survivor replaces the cat). Values are unchanged. Returns how many
+    nodes changed."""
+    import operator
 
-    transformers' modeling files each define a module-level ``rotate_half`` that
-    ``apply_rotary_pos_emb`` looks up at call time; it is replaced in the modeling modules of
-    ``model``'s classes and restored on exit. The matrices are non-persistent buffers of
-    ``owner`` (the module being exported), so the export lifts them as constants. Yields how
-    many modeling modules were patched (0: the model has no ``rotate_half``, nothing changes).
-    """
-    dims = _rotary_dims(model.config)
-    mats = {}
-    for d in sorted(dims):
-        name = f"{ROPE_BUFFER_PREFIX}{d}"
-        if not hasattr(owner, name):
-            owner.register_buffer(name, rotation_matrix(d), persistent=False)
-        mats[d] = name
-    modules = {type(m).__module__ for m in model.modules()}
-    patched = []
-    for mod_name in sorted(modules):
-        mod = sys.modules.get(mod_name)
-        orig = getattr(mod, "rotate_half", None)
-        if mod is None or not callable(orig):
+    graph = ep.graph_module.graph
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
             continue
-
-        def linear_rotate_half(x, _orig=orig):
-            name = mats.get(int(x.shape[-1]))
-            if name is None:
-                return _orig(x)
-            r = getattr(owner, name)
-            return torch.nn.functional.linear(x, r if r.dtype == x.dtype else r.to(x.dtype))
-
-        mod.rotate_half = linear_rotate_half
-        patched.append((mod, orig))
-    try:
-        yield len(patched)
-    finally:
-        for mod, orig in patched:
-            mod.rotate_half = orig
+        if node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            changed += 1
+        elif node.target in _SPLITS:
+            src = node.args[0]
+            val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+            if not isinstance(val, torch.Tensor):
+                continue
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % val.dim()
+            extent = val.shape[dim]
+            sizes = _split_sizes(node, extent) if isinstance(extent, int) else None
+            users = list(node.users)
+            if sizes is None or not all(u.target is operator.getitem for u in users):
+                continue
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            for u in users:
+                i = u.args[1]
+                with graph.inserting_before(u):
+                    sl = graph.call_function(torch.ops.aten.slice.Tensor, (src, dim, starts[i], starts[i] + sizes[i]))
+                sl.meta = dict(u.meta)
+                u.replace_all_uses_with(sl)
+            changed += 1
+        elif node.target is torch.ops.aten.cat.default:
+            parts = list(node.args[0])
+            dim = node.args[1] if len(node.args) > 1 else 0
+            keep = [p for p in parts if not (isinstance(p, torch.fx.Node) and isinstance(p.meta.get("val"), torch.Tensor)
+                                              and p.meta["val"].shape[dim] == 0)]
+            if len(keep) == len(parts) or not keep:
+                continue
+            if len(keep) == 1:
+                node.replace_all_uses_with(keep[0])
+            else:
+                node.args = (keep, *node.args[1:])
+            changed += 1
+    if changed:
+        graph.eliminate_dead_code()
+        ep.graph_module.recompile()
+    return changed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ def exported_linear_schemes(ep: torch.export.ExportedProgram) -> dict[str, str]:
     through ``quantize_affine`` -> ``dequantize_affine`` is the dynamic int8 activation. This is
     what the XNNPACK partitioner pattern-matches, so it is what the .pte runs.
     """
-    from export.executorch_delegable import NORM_MEAN_BUFFER, ROPE_BUFFER_PREFIX
+    from export.executorch_delegable import NORM_MEAN_BUFFER
+    from export.executorch_fusion import member_path
 
     buffers = ep.graph_signature.inputs_to_buffers
     out: dict[str, str] = {}
@@ -63,11 +64,12 @@ def exported_linear_schemes(ep: torch.export.ExportedProgram) -> dict[str, str]:
                                                                       torch.ops.aten._to_copy.default):
             weight = weight.args[0]
         if isinstance(weight, torch.fx.Node) and buffers.get(weight.name, "").rsplit(".", 1)[-1].startswith(
-                (ROPE_BUFFER_PREFIX, NORM_MEAN_BUFFER)):
-            continue  # RoPE's rotate_half or RMSNorm's mean as a linear (export/executorch_delegable.py), not a layer
+                NORM_MEAN_BUFFER):
+            continue  # RMSNorm's mean as a linear (export/executorch_delegable.py), not a layer
         stack = node.meta.get("nn_module_stack") or {}
         path = list(stack.values())[-1][0] if stack else node.name
         path = path.split(".", 1)[1] if path.startswith("model.") else path  # the export wrapper's attribute
+        path = member_path(path)  # a fused q/k/v or gate/up member, named as in the eager model
         w, x = node.args[1], node.args[0]
         bits = None
         if isinstance(w, torch.fx.Node) and w.op == "call_function" and "dequantize_affine" in str(w.target):

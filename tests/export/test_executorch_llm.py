@@ -37,6 +37,7 @@ FAMILIES = {
     "gemma3-hybrid": ("gemma3_text", {"head_dim": 16, "sliding_window": WINDOW, "initializer_range": 0.02,
                                       "layer_types": ["sliding_attention", "full_attention"]}),
     "phi3": ("phi3", {}),  # fused qkv_proj
+    "phi3-partial-rope": ("phi3", {"partial_rotary_factor": 0.5}),  # RoPE on half of each head
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),  # layer 1 without RoPE (NoPE)
     # attention logit soft-capping (no custom_sdpa: plain ops over the same cache), local + global
     "gemma2-softcap": ("gemma2", {"head_dim": 16, "sliding_window": WINDOW, "initializer_range": 0.02}),
@@ -98,6 +99,15 @@ def test_logits_match_eager(lowered, ids, family):
     assert details["llm_ops"]["softcapped_attention_layers"] == (2 if family == "gemma2-softcap" else 0)
     parity = logits_parity(EagerRunner(model), runner, [ids[:1], ids[:13], ids])
     assert parity["max_abs_diff"] < 1e-4 and parity["top1_agreement"] == 1.0, parity
+    # q/k/v and gate/up ran as one GEMM each (Phi-3's checkpoint has them fused already), and each
+    # layer's ops stayed in one XNNPACK call: fused-projection splits and Phi-3's chunk are slices there
+    layers = BASE["num_hidden_layers"]
+    fused = details["llm_ops"]["fused_projections"]
+    assert fused["fused"] == ({"q_proj+k_proj+v_proj": 0, "gate_proj+up_proj": 0} if family.startswith("phi3") else
+                              {"q_proj+k_proj+v_proj": layers, "gate_proj+up_proj": layers}), fused
+    assert details["llm_ops"]["merged_linears"] == (0 if family.startswith("phi3") else 3 * layers)
+    if family != "gemma2-softcap":  # its soft-capped attention runs in plain ops, partly outside XNNPACK
+        assert details["delegation"]["delegate_calls"] <= layers + 3, details["delegation"]
 
 
 @pytest.mark.slow
