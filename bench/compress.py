@@ -41,6 +41,8 @@ from pathlib import Path
 # Run as a script, this file's folder would come first on sys.path and shadow packages.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# before torch loads: MKL serial on ExecuTorch's workers (export/blas_threads.py); main() sets torch's threads
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 THREADS, PROMPT, DECODE, MAX_SEQ = 2, 128, 64, 512

@@ -55,9 +55,9 @@ def sweep(ptes: list[Path], positions: list[int], *, steps: int = 30, rounds: in
         raise ValueError("sweep needs at least one .pte and one position, steps >= 1 and rounds >= 1")
     if min(positions) < 0:
         raise ValueError(f"positions must be >= 0, got {positions}")
-    # libtorch's OpenMP threads (MKL inside custom_sdpa) spin after each call and take a core from
-    # XNNPACK's threadpool in a loop of bare decode calls: 2 intra-op threads made a step 40-70% slower
-    # here. One keeps MKL serial inside each custom_sdpa task, as an app without libtorch would run.
+    # MKL inside custom_sdpa must stay serial: on ExecuTorch's workers only MKL_NUM_THREADS (set before
+    # torch loads; main() does it) reaches it (export/blas_threads.py); one intra-op thread covers the
+    # calling thread, which takes a share of each parallel_for.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -123,4 +123,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads (export/blas_threads.py)
     raise SystemExit(main())

@@ -160,4 +160,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import os
+
+    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads (export/blas_threads.py)
     raise SystemExit(main())

@@ -38,6 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# before torch loads: MKL serial on ExecuTorch's workers (export/blas_threads.py); main() sets torch's threads
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 THREADS = 2
@@ -56,7 +58,7 @@ ROWS = {
     "peer": "optimum-executorch 8da4w",
 }
 #: files under export/ that only load or measure programs: editing them does not change a .pte
-RUNTIME_ONLY = {"executorch_runtime.py", "executorch_llm_runner.py", "runtime.py", "verify.py"}
+RUNTIME_ONLY = {"executorch_runtime.py", "executorch_llm_runner.py", "runtime.py", "verify.py", "blas_threads.py"}
 
 
 def log(msg: str) -> None:
@@ -165,7 +167,8 @@ def export_peer(hf_dir: Path, cache: Path) -> tuple[Path, dict]:
     log("peer: optimum-cli export executorch ... --qlinear 8da4w (about 6 minutes)")
     t0 = time.perf_counter()
     res = subprocess.run([str(venv / "bin" / "optimum-cli"), *PEER_CMD, "--model", str(hf_dir), "--output_dir", str(tmp)],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
+                         capture_output=True, text=True, env={**{k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"},  # as a user runs it
+                              "OMP_NUM_THREADS": str(THREADS)})
     export_s = time.perf_counter() - t0
     if res.returncode != 0 or not (tmp / "model.pte").exists():
         raise RuntimeError(f"optimum-cli export failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")
@@ -198,6 +201,27 @@ def copy_bandwidth(nbytes: int = 512 << 20, runs: int = 7) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def read_rate(nbytes: int, runs: int = 9) -> float:
+    """Bytes/s of summing a float32 buffer of ``nbytes`` with this process's threads (median): what a
+    decode step that reads that many bytes of weights could reach here. Unlike the 512 MiB copy, a
+    buffer the size of a quantized model may stay in a large last-level cache between reads."""
+    buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    buf.sum()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(times)
+
+
+def l3_cache() -> str:
+    try:
+        return Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def ceilings(model, bandwidth: float) -> dict[str, dict]:
     """Decode ceilings: bandwidth / Linear weight bytes read per token (lm_head counted in full),
     with the project's size model (optimize.quant.mixed: int4 g32 = 0.5 B + fp32 scale + int8 zero
@@ -214,7 +238,11 @@ def ceilings(model, bandwidth: float) -> dict[str, dict]:
         "4-bit g32": decode_bytes(model, linear, 4, 32),
         "4-bit g32, lm_head int8": decode_bytes(model, linear - head, 4, 32, int8=head),
     }
-    return {k: {"bytes_per_token": b, "tok_s": bandwidth / b} for k, b in per_token.items()}
+    out = {}
+    for k, b in per_token.items():
+        rate = read_rate(int(b))
+        out[k] = {"bytes_per_token": b, "tok_s": bandwidth / b, "read_gb_s": rate / 1e9, "read_tok_s": rate / b}
+    return out
 
 
 ROW_CEILING = {"fp32": "fp32", "8da8w": "int8", "demo": "4-bit g32, lm_head int8", "all4": "4-bit g32",
@@ -317,6 +345,9 @@ def table(results: dict[str, dict], ceil: dict[str, dict], bandwidth: float) -> 
     lines.append(f"Copy bandwidth {bandwidth / 1e9:.1f} GB/s (read+write of a 512 MiB copy, median of 7). Decode ceilings "
                  "(bandwidth / Linear weight bytes per token, the full lm_head counted): " + ", ".join(
                      f"{k} {v['tok_s']:.0f} tok/s ({v['bytes_per_token'] / 1e6:.0f} MB)" for k, v in ceil.items()) + ".")
+    lines.append(f"Reading a buffer of those bytes (a float32 sum, {THREADS} threads; L3 {l3_cache()}) instead: "
+                 + ", ".join(f"{k} {v['read_tok_s']:.0f} tok/s ({v['read_gb_s']:.0f} GB/s)" for k, v in ceil.items())
+                 + f". MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS')} (export/blas_threads.py).")
     return "\n".join(lines)
 
 

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "et_positions.py"
+from tests.bench.conftest import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def et_positions():
-    spec = importlib.util.spec_from_file_location("bench_et_positions", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path[:] = saved  # the module puts the repository root first when it runs as a script
+    yield from load_bench_script("et_positions")
 
 
 def test_table_has_a_ratio_column_per_program_after_the_first(et_positions):

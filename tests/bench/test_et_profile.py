@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "et_profile.py"
+from tests.bench.conftest import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def et_profile():
-    spec = importlib.util.spec_from_file_location("bench_et_profile", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path[:] = saved  # the module puts the repository root first when it runs as a script
+    yield from load_bench_script("et_profile")
 
 
 def test_group_call_attributes_wrappers_to_what_they_wrap(et_profile):
