@@ -166,9 +166,10 @@ def export_peer(hf_dir: Path, cache: Path) -> tuple[Path, dict]:
     subprocess.run(["rm", "-rf", str(tmp)], check=True)
     log("peer: optimum-cli export executorch ... --qlinear 8da4w (about 6 minutes)")
     t0 = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"}  # the peer exports as a user runs it
+    env["OMP_NUM_THREADS"] = str(THREADS)
     res = subprocess.run([str(venv / "bin" / "optimum-cli"), *PEER_CMD, "--model", str(hf_dir), "--output_dir", str(tmp)],
-                         capture_output=True, text=True, env={**{k: v for k, v in os.environ.items() if k != "MKL_NUM_THREADS"},  # as a user runs it
-                              "OMP_NUM_THREADS": str(THREADS)})
+                         capture_output=True, text=True, env=env)
     export_s = time.perf_counter() - t0
     if res.returncode != 0 or not (tmp / "model.pte").exists():
         raise RuntimeError(f"optimum-cli export failed (exit {res.returncode}):\n{(res.stdout + res.stderr)[-3000:]}")

@@ -140,7 +140,6 @@ def _same(a: Any, b: Any, memo: dict) -> bool:
             return True
         key = (a, b)
         if key not in memo:
-            memo[key] = False  # no cycles in a DAG; guards the recursion all the same
             memo[key] = (a.op == b.op == "call_function" and a.target is b.target and _pure(a.target)
                          and _same(a.args, b.args, memo) and _same(a.kwargs, b.kwargs, memo))
         return memo[key]
@@ -167,7 +166,10 @@ def merge_duplicate_linears(ep: torch.export.ExportedProgram) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
             continue
-        twin = next((k for k in kept if _same(k.args, node.args, memo) and _same(k.kwargs, node.kwargs, memo)), None)
+        # weight and bias first: they differ for all but a fused group's members, and comparing the
+        # inputs of unrelated linears would recurse down the whole residual stream
+        twin = next((k for k in kept if _same(k.args[1:], node.args[1:], memo) and _same(k.kwargs, node.kwargs, memo)
+                     and _same(k.args[0], node.args[0], memo)), None)
         if twin is None:
             kept.append(node)
             continue

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
+from export.blas_threads import serial_torch, warn_if_threaded
 from export.runtime import Runner, RunnerError, greedy_generate
-from export.blas_threads import serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,6 @@ class ExecuTorchRunner(Runner):
 
         if _uses_llama_custom_ops(self.path):
             load_llama_custom_ops()
-            from export.blas_threads import warn_if_threaded
-
             warn_if_threaded()
 
         if threads is not None:
@@ -162,24 +160,21 @@ class ExecuTorchRunner(Runner):
         # a last-position-only program scores every position only when fed one token at a time
         step = self.max_chunk if (self.all_positions or not all_logits) else 1
         outs = []
-        with serial_torch():
-            self._run_chunks(ids, t, step, all_logits, outs)
+        with serial_torch():  # export/blas_threads.py: MKL must not thread inside custom_sdpa
+            for start in range(0, t, step):
+                chunk = ids[start : start + step]
+                n = int(chunk.numel())
+                pos = (torch.arange(self._pos, self._pos + n, dtype=torch.long) if self._pos_is_range
+                       else torch.tensor([self._pos], dtype=torch.long))
+                try:
+                    logits = self._method.execute([chunk.reshape(1, n), pos])[0]
+                except Exception as exc:
+                    raise RunnerError(f"{self.path.name}: forward of {n} tokens at position {self._pos} failed: {exc}") from None
+                self._pos += n
+                logits = logits.reshape(-1, logits.shape[-1])
+                outs.append(logits if all_logits else logits[-1:])
         out = torch.cat(outs, 0) if all_logits else outs[-1]
         return out.float()
-
-    def _run_chunks(self, ids: torch.Tensor, t: int, step: int, all_logits: bool, outs: list) -> None:
-        for start in range(0, t, step):
-            chunk = ids[start : start + step]
-            n = int(chunk.numel())
-            pos = (torch.arange(self._pos, self._pos + n, dtype=torch.long) if self._pos_is_range
-                   else torch.tensor([self._pos], dtype=torch.long))
-            try:
-                logits = self._method.execute([chunk.reshape(1, n), pos])[0]
-            except Exception as exc:
-                raise RunnerError(f"{self.path.name}: forward of {n} tokens at position {self._pos} failed: {exc}") from None
-            self._pos += n
-            logits = logits.reshape(-1, logits.shape[-1])
-            outs.append(logits if all_logits else logits[-1:])
 
     def size_bytes(self) -> int:
         ptd = self.path.with_suffix(".ptd")  # external weights, when the program has them

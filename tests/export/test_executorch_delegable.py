@@ -31,6 +31,15 @@ def _decoder_graph(model):
                                    dynamic_shapes=({1: seq}, {0: seq}), strict=True)
 
 
+def _two_calls(ep) -> list[torch.Tensor]:
+    """Logits of a 9-token prefill and one decode step. Each run writes positions 0..9 of the
+    cache before reading them, so runs before and after a rewrite start equal."""
+    m = ep.module()
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return [m(ids, torch.arange(9)), m(ids[:, :1], torch.tensor([9]))]
+
+
 def test_static_reshapes_keep_the_program_exact():
     """After the rewrite no reshape carries a symbolic size (XNNPACK refuses those), and the
     exported program computes the same logits at two sequence lengths."""
@@ -41,18 +50,11 @@ def test_static_reshapes_keep_the_program_exact():
             torch.ops.aten.view.default, torch.ops.aten.unsqueeze.default)
             and (n.target == torch.ops.aten.unsqueeze.default or not all(isinstance(d, int) for d in n.args[1]))]
 
-    # each pass writes positions 0..9 of the cache before reading them, so both start equal
-    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
-
-    def run(m):
-        with torch.no_grad():
-            return [m(ids, torch.arange(9)), m(ids[:, :1], torch.tensor([9]))]
-
-    before = run(ep.module())
+    before = _two_calls(ep)
     assert symbolic_reshapes(ep)
     assert static_reshapes(ep) > 0
     assert not symbolic_reshapes(ep)
-    for a, b in zip(before, run(ep.module())):
+    for a, b in zip(before, _two_calls(ep)):
         assert torch.equal(a, b)
 
 
@@ -85,16 +87,10 @@ def test_splits_become_slices_and_the_program_stays_exact(model_type):
                 out.append(n.name)
         return out
 
-    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
-
-    def run(m):
-        with torch.no_grad():
-            return [m(ids, torch.arange(9)), m(ids[:, :1], torch.tensor([9]))]
-
-    before = run(ep.module())
+    before = _two_calls(ep)
     assert leftovers(ep)
     assert split_as_slices(ep) > 0
     assert not leftovers(ep), leftovers(ep)
     assert any(n.target is torch.ops.aten.slice.Tensor for n in ep.graph.nodes)
-    for a, b in zip(before, run(ep.module())):
+    for a, b in zip(before, _two_calls(ep)):
         assert torch.equal(a, b)

@@ -33,3 +33,9 @@ def test_every_option_is_described():
 def test_logits_option_refuses_other_values():
     with pytest.raises(ValidationError, match=r"logits\n  Input should be 'last' or 'all'"):
         ExecuTorchOptions(logits="first")  # a wrong value names the field and the choices
+
+
+def test_fuse_projections_option_refuses_other_values():
+    assert ExecuTorchOptions().fuse_projections is True
+    with pytest.raises(ValidationError, match=r"fuse_projections\n  Input should be a valid boolean"):
+        ExecuTorchOptions(fuse_projections="sometimes")  # a wrong value names the field and what it takes
