@@ -56,6 +56,8 @@ def test_profile_of_a_tiny_program(et_profile, tiny_llama, tmp_path):
     pte = tmp_path / "model.pte"
     pte.write_bytes(data)
     res = et_profile.profile(pte, tokens=1, position=10, calls=4, threads=1)
+    assert res["prefill_calls"] == 1  # the 10 cached positions are filled before the timed calls
+    assert et_profile.profile(pte, tokens=1, position=0, calls=2, threads=1)["prefill_calls"] == 0
     ms = res["ms"]
     layers = tiny_llama.config.num_hidden_layers
     assert ms["n_custom_sdpa"] == layers and ms["n_update_cache"] == 2 * layers
