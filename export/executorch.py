@@ -198,7 +198,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
 
     from export.executorch_delegable import split_as_slices, static_reshapes, swap_rms_norms, swap_tanh_gelus
     from export.executorch_fusion import fuse_projections, merge_duplicate_linears
-    from export.executorch_llm import ExecuTorchDecoder, plan_layers
+    from export.executorch_llm import ExecuTorchDecoder, _text_config, plan_layers
+    from export.xnnpack_boundaries import count_residual_adds
     from export.xnnpack_slices import dynamic_slices, partitioner_configs
 
     config = getattr(model, "config", None)
@@ -253,17 +254,20 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     external = opts.weights == "external"
     if external:
         _tag_weights_external(ep)
+    # each layer as three delegates, split at its residual adds (export/xnnpack_boundaries.py)
+    hidden = getattr(_text_config(config), "hidden_size", None) if opts.split_layers else None
     log("executorch: lowering to XNNPACK (minutes for a full-size model)")
     t0 = time.perf_counter()
     try:
         with dynamic_slices():  # a fused projection's split stays inside XNNPACK under a dynamic length
             edge = to_edge_transform_and_lower(
                 ep,
-                partitioner=[XnnpackPartitioner(configs=partitioner_configs())],
+                partitioner=[XnnpackPartitioner(configs=partitioner_configs(hidden))],
                 compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
                 constant_methods=meta,
             )
         delegation = _delegation(edge.exported_program().graph_module)
+        boundaries = count_residual_adds(edge.exported_program().graph_module, hidden) if hidden else 0
         # quant fusion turns torchao's dequantize+embedding into quantized_decomposed::embedding_*;
         # graph inputs are not planned into the arena (the runner owns them)
         prog = edge.to_executorch(ExecutorchBackendConfig(
@@ -285,6 +289,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "tanh_gelu_swapped": gelus,
                            "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
                            "fused_projections": fusion, "merged_linears": merged,
+                           "residual_boundaries": boundaries,
                            "prefill_chunk": chunk, "sliding_windows": plan.windows,
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,

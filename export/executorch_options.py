@@ -71,6 +71,13 @@ class ExecuTorchOptions(ExportOptions):
         "concatenated, quantized weights bit-for-bit; a group whose schemes differ stays apart): 3 fewer "
         "XNNPACK ops a layer for every token",
     )
+    split_layers: bool = Field(
+        True,
+        description="keep each decoder layer's residual adds outside XNNPACK, so a layer lowers into "
+        "three small delegates instead of one large one: the threadpool's worker then keeps spinning "
+        "between them instead of sleeping once a layer (SmolLM2 8da4w, 2 threads: decode 5.9% faster, "
+        "prefill-128 7% slower)",
+    )
     tokenizer_type: int | None = Field(
         None,
         ge=0,

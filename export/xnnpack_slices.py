@@ -55,10 +55,13 @@ def _start(node: torch.fx.Node, size: int) -> int | None:
     return start + size if start < 0 else start
 
 
-def partitioner_configs() -> list:
-    """ExecuTorch's XNNPACK partitioner configs with slicing admitted under dynamic shapes."""
+def partitioner_configs(residual_boundaries_at: int | None = None) -> list:
+    """ExecuTorch's XNNPACK partitioner configs with slicing admitted under dynamic shapes, and,
+    given the hidden size, residual adds kept out (:mod:`export.xnnpack_boundaries`)."""
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
-    from executorch.backends.xnnpack.partition.config.generic_node_configs import SliceCopyConfig
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import AddConfig, SliceCopyConfig
+
+    from export.xnnpack_boundaries import residual_boundary_config
 
     class DynamicSliceConfig(SliceCopyConfig):
         """``slice_copy`` along a static dim, stride 1, every symbolic dim passed through."""
@@ -77,7 +80,10 @@ def partitioner_configs() -> list:
             # quantized slices must keep their parameters; only the plain fp32 case is admitted
             return "dequantize" not in str(getattr(src, "target", ""))
 
-    return [DynamicSliceConfig if c is SliceCopyConfig else c for c in ALL_PARTITIONER_CONFIGS]
+    swap = {SliceCopyConfig: DynamicSliceConfig}
+    if residual_boundaries_at is not None:
+        swap[AddConfig] = residual_boundary_config(AddConfig, residual_boundaries_at)
+    return [swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS]
 
 
 @contextlib.contextmanager
