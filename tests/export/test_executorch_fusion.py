@@ -140,23 +140,13 @@ def test_exported_graph_has_one_linear_per_group(quantized):
 
 
 @pytest.mark.slow
-def test_pte_matches_the_unfused_program(tmp_path):
+def test_pte_matches_the_unfused_program(lower_variants):
     """The fused 8da4w program gives the unfused program's logits, with 3 fewer linears a layer
     and no more delegate calls or portable kernels."""
-    from export.executorch import ExecuTorchOptions, lower_to_pte
-    from export.executorch_runtime import ExecuTorchRunner
     from export.verify import logits_parity
 
-    class Tok:
-        bos_token_id, eos_token_id, vocab_file = 1, 2, ""
-
     model = _model("qwen2")  # biases on q/k/v
-    runners, details = {}, {}
-    for fuse in (True, False):
-        opts = ExecuTorchOptions(max_seq_len=32, quantize="8da4w", group_size=32, fuse_projections=fuse)
-        data, details[fuse] = lower_to_pte(model, Tok(), opts, log=lambda *_: None)
-        (tmp_path / f"{fuse}.pte").write_bytes(data)
-        runners[fuse] = ExecuTorchRunner(tmp_path / f"{fuse}.pte")
+    runners, details = lower_variants(model, "fuse_projections", max_seq_len=32, quantize="8da4w", group_size=32)
     ids = torch.randint(3, 256, (32,), generator=torch.Generator().manual_seed(2))
     parity = logits_parity(runners[False], runners[True], [ids[:1], ids[:9], ids])
     assert parity["max_abs_diff"] < 1e-5 and parity["top1_agreement"] == 1.0, parity

@@ -62,13 +62,12 @@ def test_count_in_a_graph():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "opt"])
-def test_split_program_gives_the_same_logits(tmp_path, family):
+def test_split_program_gives_the_same_logits(lower_variants, family):
     """Split at its residual adds, a layer runs as three XNNPACK calls with the two adds outside,
     and the program's logits equal the unsplit program's (an fp32 add is the same sum anywhere)."""
-    from export.executorch import ExecuTorchOptions, lower_to_pte
-    from export.executorch_runtime import ExecuTorchRunner
-    from export.verify import logits_parity
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from export.verify import logits_parity
 
     layers = 2
     cfg = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=128, ffn_dim=128,
@@ -76,16 +75,7 @@ def test_split_program_gives_the_same_logits(tmp_path, family):
                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
-
-    class Tok:
-        bos_token_id, eos_token_id, vocab_file = 1, 2, ""
-
-    runners, details = {}, {}
-    for split in (True, False):
-        opts = ExecuTorchOptions(max_seq_len=32, quantize="8da4w", group_size=32, split_layers=split)
-        data, details[split] = lower_to_pte(model, Tok(), opts, log=lambda *_: None)
-        (tmp_path / f"{split}.pte").write_bytes(data)
-        runners[split] = ExecuTorchRunner(tmp_path / f"{split}.pte")
+    runners, details = lower_variants(model, "split_layers", max_seq_len=32, quantize="8da4w", group_size=32)
     ids = torch.randint(3, 256, (32,), generator=torch.Generator().manual_seed(3))
     parity = logits_parity(runners[False], runners[True], [ids[:1], ids[:9], ids])
     assert parity["max_abs_diff"] < 1e-5 and parity["top1_agreement"] == 1.0, parity
