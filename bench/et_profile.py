@@ -127,13 +127,12 @@ def profile(pte: Path, *, tokens: int = 1, position: int = 128, calls: int = 10,
         insp = Inspector(etdump_path=str(path))
         events = [(ev.name, bool(ev.is_delegated_op), list(ev.perf_data.raw))
                   for block in insp.event_blocks for ev in block.events if ev.perf_data is not None]
-    runs = len(prefills) + warmup + calls
+    first = len(prefills) + warmup  # index of the first timed call
     executes = [raw for n, _, raw in events if n == "Method::execute"]
-    if not executes or len(executes[0]) != runs:
-        raise RuntimeError(f"ETDump holds {len(executes[0]) if executes else 0} forward calls for the {runs} "
-                           "made: the timed calls cannot be told apart")
+    if not executes or len(executes[0]) != first + calls:
+        raise RuntimeError(f"ETDump holds {len(executes[0]) if executes else 0} forward calls for the "
+                           f"{first + calls} made: the timed calls cannot be told apart")
     per_call = []
-    first = len(prefills) + warmup
     for i in range(first, first + calls):
         per_call.append(group_call([(n, d, raw[i]) for n, d, raw in events if len(raw) > i]))
     return {"pte": str(pte), "tokens": tokens, "position": position, "calls": calls, "threads": threads,

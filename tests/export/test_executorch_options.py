@@ -35,7 +35,8 @@ def test_logits_option_refuses_other_values():
         ExecuTorchOptions(logits="first")  # a wrong value names the field and the choices
 
 
-def test_fuse_projections_option_refuses_other_values():
-    assert ExecuTorchOptions().fuse_projections is True
-    with pytest.raises(ValidationError, match=r"fuse_projections\n  Input should be a valid boolean"):
-        ExecuTorchOptions(fuse_projections="sometimes")  # a wrong value names the field and what it takes
+@pytest.mark.parametrize("field", ["fuse_projections", "split_layers"])
+def test_boolean_options_refuse_other_values(field):
+    assert getattr(ExecuTorchOptions(), field) is True
+    with pytest.raises(ValidationError, match=rf"{field}\n  Input should be a valid boolean"):
+        ExecuTorchOptions(**{field: "sometimes"})  # a wrong value names the field and what it takes
