@@ -140,6 +140,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from export.executorch_delegable import split_as_slices, static_reshapes, swap_rms_norms, swap_tanh_gelus
     from export.executorch_fusion import fuse_projections, merge_duplicate_linears
     from export.executorch_llm import ExecuTorchDecoder, _text_config, plan_layers
+    from export.head_layout import cancel_head_transposes
     from export.xnnpack_boundaries import count_residual_adds
     from export.xnnpack_slices import dynamic_slices, partitioner_configs
 
@@ -191,6 +192,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     check_mix(eager_schemes, graph_schemes)
     # after the scheme check (which reads every member's own linear): one GEMM per fused group
     merged = merge_duplicate_linears(ep)
+    # q, k and v stay [B, T, H, D] from the projections to the cache ops (export/head_layout.py)
+    transposes = cancel_head_transposes(ep)
     meta = _metadata(model, tokenizer, opts, n, chunk, plan)
     external = opts.weights == "external"
     if external:
@@ -230,7 +233,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "tanh_gelu_swapped": gelus,
                            "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
                            "fused_projections": fusion, "merged_linears": merged,
-                           "residual_boundaries": boundaries,
+                           "residual_boundaries": boundaries, "head_transposes_removed": transposes,
                            "prefill_chunk": chunk, "sliding_windows": plan.windows,
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,

@@ -108,6 +108,8 @@ def test_logits_match_eager(lowered, ids, family):
     assert details["llm_ops"]["merged_linears"] == (0 if family.startswith("phi3") else 3 * layers)
     # each layer in three XNNPACK calls, split at its two residual adds (export/xnnpack_boundaries.py)
     assert details["llm_ops"]["residual_boundaries"] == 2 * layers, details["llm_ops"]
+    # q, k, v stayed [B, T, H, D] around RoPE (export/head_layout.py); soft-capped q needs [B, H, T, D]
+    assert details["llm_ops"]["head_transposes_removed"] == (4 if family == "gemma2-softcap" else 6) * layers
     if family != "gemma2-softcap":  # its soft-capped attention runs in plain ops, partly outside XNNPACK
         assert details["delegation"]["delegate_calls"] <= 3 * layers + 3, details["delegation"]
 
