@@ -141,6 +141,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from export.executorch_fusion import fuse_projections, merge_duplicate_linears
     from export.executorch_llm import ExecuTorchDecoder, _text_config, plan_layers
     from export.head_layout import cancel_head_transposes
+    from export.joint_rope import rope_q_and_k_together
     from export.xnnpack_boundaries import count_residual_adds
     from export.xnnpack_slices import dynamic_slices, partitioner_configs
 
@@ -194,6 +195,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     merged = merge_duplicate_linears(ep)
     # q, k and v stay [B, T, H, D] from the projections to the cache ops (export/head_layout.py)
     transposes = cancel_head_transposes(ep)
+    joint_rope = rope_q_and_k_together(ep)  # then one RoPE chain for both (export/joint_rope.py)
     meta = _metadata(model, tokenizer, opts, n, chunk, plan)
     external = opts.weights == "external"
     if external:
@@ -234,6 +236,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
                            "fused_projections": fusion, "merged_linears": merged,
                            "residual_boundaries": boundaries, "head_transposes_removed": transposes,
+                           "joint_rope_layers": joint_rope,
                            "prefill_chunk": chunk, "sliding_windows": plan.windows,
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,

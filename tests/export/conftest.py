@@ -28,3 +28,53 @@ def lower_variants(tmp_path):
         return runners, details
 
     return lower
+
+
+DECODER_LAYERS = 2
+#: shapes for decoders exported with ``torch.export`` only (GQA 4:2)
+DECODER_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=DECODER_LAYERS, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, initializer_range=0.2,
+                    pad_token_id=0)
+
+
+@pytest.fixture()
+def exported_decoder():
+    """``export(model_type, **overrides)``: a tiny random model of that family as the ExecuTorch
+    decoder (custom cache ops, norms swapped, q/k/v and gate/up fused), through ``torch.export``
+    with a dynamic length (seconds; nothing lowered)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from export.executorch_delegable import split_as_slices, static_reshapes, swap_rms_norms
+    from export.executorch_fusion import fuse_projections, merge_duplicate_linears
+    from export.executorch_llm import ExecuTorchDecoder, plan_layers
+
+    def export(model_type: str, **over):
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(model_type, **{**DECODER_BASE, **over})
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        swap_rms_norms(model)
+        fuse_projections(model)
+        dec = ExecuTorchDecoder(model, plan_layers(model.config, 16))
+        seq = torch.export.Dim("seq_len", min=1, max=8)
+        with torch.no_grad():
+            ep = torch.export.export(dec, (torch.zeros(1, 3, dtype=torch.long), torch.arange(3)),
+                                     dynamic_shapes=({1: seq}, {0: seq}), strict=True)
+        static_reshapes(ep)  # the graph passes lower_program runs before the layout rewrites
+        split_as_slices(ep)
+        merge_duplicate_linears(ep)
+        return ep
+
+    return export
+
+
+def run_decoder(ep, ids) -> list:
+    """An exported decoder's logits for a prefill of all but the last of ``ids`` then one step,
+    and every cache buffer after them."""
+    import torch
+
+    mod = ep.module()
+    t = ids.shape[1] - 1
+    with torch.no_grad():
+        out = [mod(ids[:, :t], torch.arange(t)), mod(ids[:, t:], torch.arange(t, t + 1))]
+    return out + [b.clone() for name, b in mod.named_buffers() if "cache" in name]

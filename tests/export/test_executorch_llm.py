@@ -110,6 +110,9 @@ def test_logits_match_eager(lowered, ids, family):
     assert details["llm_ops"]["residual_boundaries"] == 2 * layers, details["llm_ops"]
     # q, k, v stayed [B, T, H, D] around RoPE (export/head_layout.py); soft-capped q needs [B, H, T, D]
     assert details["llm_ops"]["head_transposes_removed"] == (4 if family == "gemma2-softcap" else 6) * layers
+    # q and k rotated as one tensor where they are adjacent columns rotated alike (export/joint_rope.py)
+    joint = {"qwen2": layers, "mistral-sliding": layers, "phi3": layers, "smollm3": 1}.get(family, 0)
+    assert details["llm_ops"]["joint_rope_layers"] == joint, details["llm_ops"]
     if family != "gemma2-softcap":  # its soft-capped attention runs in plain ops, partly outside XNNPACK
         assert details["delegation"]["delegate_calls"] <= 3 * layers + 3, details["delegation"]
 

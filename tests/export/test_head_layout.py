@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from export.head_layout import cancel_head_transposes
+from tests.export.conftest import DECODER_LAYERS as LAYERS, run_decoder
 
 aten = torch.ops.aten
-BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=128, initializer_range=0.2, pad_token_id=0)
 #: family -> (model_type, overrides, transposes removed per layer, tolerance)
 FAMILIES = {
     "llama": ("llama", {}, 6, 0.0),
@@ -31,44 +30,20 @@ FAMILIES = {
 T = 5
 
 
-def _exported(model_type: str, over: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from export.executorch_delegable import swap_rms_norms
-    from export.executorch_llm import ExecuTorchDecoder, plan_layers
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **over})).eval()
-    swap_rms_norms(model)
-    dec = ExecuTorchDecoder(model, plan_layers(model.config, 16))
-    seq = torch.export.Dim("seq_len", min=1, max=8)
-    with torch.no_grad():
-        return torch.export.export(dec, (torch.zeros(1, 3, dtype=torch.long), torch.arange(3)),
-                                   dynamic_shapes=({1: seq}, {0: seq}), strict=True)
-
-
 def _transposes(ep) -> int:
     return sum(n.target in (aten.transpose.int, aten.permute.default) for n in ep.graph.nodes)
 
 
-def _run(ep, ids) -> list[torch.Tensor]:
-    """Logits of a prefill then one step, and every cache buffer after them."""
-    mod = ep.module()
-    with torch.no_grad():
-        out = [mod(ids[:, :T], torch.arange(T)), mod(ids[:, T:T + 1], torch.arange(T, T + 1))]
-    return out + [b.clone() for name, b in mod.named_buffers() if "cache" in name]
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_rope_transposes_cancel_and_values_are_identical(family):
+def test_rope_transposes_cancel_and_values_are_identical(exported_decoder, family):
     model_type, over, per_layer, tol = FAMILIES[family]
-    ids = torch.randint(0, BASE["vocab_size"], (1, T + 1), generator=torch.Generator().manual_seed(1))
-    ref_ep, ep = _exported(model_type, over), _exported(model_type, over)
+    ids = torch.randint(0, 256, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    ref_ep, ep = exported_decoder(model_type, **over), exported_decoder(model_type, **over)
     before = _transposes(ep)
     removed = cancel_head_transposes(ep)
-    assert removed == per_layer * BASE["num_hidden_layers"]
+    assert removed == per_layer * LAYERS
     assert _transposes(ep) == before - removed
-    ref, got = _run(ref_ep, ids), _run(ep, ids)
+    ref, got = run_decoder(ref_ep, ids), run_decoder(ep, ids)
     assert len(ref) == len(got) > 2
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=0, atol=tol)
