@@ -13,7 +13,6 @@ RoPE, partial rotary, q and k from different Linears) are left as they are.
 
 from __future__ import annotations
 
-
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -57,8 +56,7 @@ def _chain(add: torch.fx.Node) -> dict | None:
         d = _shape(x)[-1] if isinstance(x, torch.fx.Node) and x.meta.get("val") is not None else None
         if lo is None or hi is None or d is None or lo != (0, hi[0]) or hi[1] < d or 2 * hi[0] != d:
             continue
-        return {"x": x, "cos": cos, "sin": sin, "add_first": add.args[0] is m1,
-                "nodes": [m1, low, neg.args[0], neg, cat, m2, add]}
+        return {"x": x, "cos": cos, "sin": sin, "add_first": add.args[0] is m1, "out": add}
     return None
 
 
@@ -112,7 +110,7 @@ def rope_q_and_k_together(ep: torch.export.ExportedProgram) -> int:
         (q_start, q_end, q_shape, q), (k_start, k_end, k_shape, k) = sorted(members, key=lambda m: m[0])
         if q_end != k_start or q_shape[0] != k_shape[0] or q_shape[1] != -1 or k_shape[1] != -1:
             continue
-        outs = [q["nodes"][-1], k["nodes"][-1]]
+        outs = [q["out"], k["out"]]
         users = [u for o in outs for u in o.users]
         if not users:
             continue
