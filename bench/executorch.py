@@ -104,8 +104,10 @@ def export_ours(name: str, stages: list[dict], opts: dict, lm, calib, cache: Pat
     from export.executorch import ExecuTorchExporter
     from optimize.export_cache import toolchain_versions
 
+    calib_tokens = sum(int(w.numel()) for w in calib) if stages else 0  # the stages' calibration text
     key = hashlib.sha256(json.dumps({"stages": stages, "opts": opts, "toolchain": toolchain_versions(),
-                                     "code": _code_digest(stages)}, sort_keys=True).encode()).hexdigest()[:12]
+                                     "code": _code_digest(stages), "calib_tokens": calib_tokens},
+                                    sort_keys=True).encode()).hexdigest()[:12]
     out = cache / f"ours-{name}-{key}"
     meta = out / "bench.json"
     if (out / "manifest.json").exists() and meta.exists():
@@ -277,16 +279,17 @@ def measure(pte: Path, eval_ids, prompt, tokenizer, runs: int) -> dict:
     return row
 
 
-def retime(results: dict[str, dict], ptes: dict, prompt, rounds: int) -> dict:
+def retime(results: dict[str, dict], ptes: dict, prompt, rounds: int, tokenizer) -> dict:
     """Time prefill-128, prefill-512 and decode again for every row, round-robin
-    (:mod:`bench.retiming`): the speed columns become the medians over rounds, and the ratios
-    against the peer are paired within each round. Returns the host's load and steal."""
+    (:mod:`bench.retiming`), through the Python loop and ExecuTorch's C++ runner: the speed columns
+    become the medians over rounds, and the ratios against the peer are paired within each round.
+    Returns the host's load and steal."""
     from bench.retiming import HostMonitor, round_robin, summarize
 
     keys = [k for k in results if "error" not in results[k]]
     mon = HostMonitor()
     samples = round_robin({k: ptes[k][0] for k in keys}, prompt[:PROMPT], DECODE, rounds, THREADS,
-                          long_prompt=prompt[:LONG_PROMPT], log=log)
+                          long_prompt=prompt[:LONG_PROMPT], log=log, tokenizer=tokenizer)
     for key, row in summarize(samples, reference="peer" if "peer" in keys else None).items():
         results[key].update(row)
     return mon.report()
@@ -304,7 +307,8 @@ def samples_text(results: dict[str, dict], host: dict | None) -> str:
         return ""
     lines = ["", "Decode tok/s over the round-robin passes (median; best; samples):"]
     for key, r in rows.items():
-        lines.append(f"- {ROWS[key]}: {r['decode_tok_s']:.1f}; {r['decode_best']:.1f} ({r['decode_samples']})")
+        lines.append(f"- {ROWS[key]}: {r['decode_tok_s']:.1f}; {r['decode_best']:.1f} ({r['decode_samples']})"
+                     + (f"; C++ runner {r['cpp_decode_samples']}" if r.get("cpp_decode_samples") else ""))
     if host:
         lines.append(f"Host while timing: load average {host['load_avg_start']} -> {host['load_avg_end']}, "
                      f"CPU steal {host['steal_pct']}%.")
@@ -319,24 +323,25 @@ def table(results: dict[str, dict], ceil: dict[str, dict], bandwidth: float) -> 
     peer = results.get("peer") if "error" not in results.get("peer", {"error": 1}) else None
     lines = ["| row | size MiB | prefill-128 ms | prefill-512 ms | decode tok/s | of ceiling | ppl | export s "
              "| C++ runner prefill-128 ms / decode tok/s | x peer prefill-128 | x peer prefill-512 | x peer decode "
-             "| x peer size |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| x peer C++ runner decode | x peer size |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, r in results.items():
         if "error" in r:
-            lines.append(f"| {ROWS[key]} | failed: {r['error'][:150]} |" + " |" * 11)
+            lines.append(f"| {ROWS[key]} | failed: {r['error'][:150]} |" + " |" * 12)
             continue
         c = ceil[ROW_CEILING[key]]["tok_s"]
         exp = r.get("export", {})
         export_s = (exp.get("export_s") or 0) + (exp.get("stages_s") or 0)
         export_txt = _f(export_s, ".0f") + (f" ({exp['stages_s']:.0f} stages)" if exp.get("stages_s") else "") \
             + (" cached" if exp.get("cached") else "")
-        ratios = ["-"] * 4
+        ratios = ["-"] * 5
         if peer:
             # paired within each timing round when re-timed (robust to the host's drift), else of medians
             paired = r.get("paired_x_ref") or {}
             ratios = [_f(paired.get("prefill128", r["prefill128_ms"] / peer["prefill128_ms"]), ".2f"),
                       _f(paired.get("prefill512", r["prefill512_ms"] / peer["prefill512_ms"]), ".2f"),
                       _f(paired.get("decode", r["decode_tok_s"] / peer["decode_tok_s"]), ".2f"),
+                      _f(paired.get("cpp_decode"), ".2f"),
                       _f(r["size_mib"] / peer["size_mib"], ".2f")]
         cpp = f"{_f(r.get('cpp_prefill128_ms'), '.0f')} / {_f(r.get('cpp_decode_tok_s'), '.1f')}"
         lines.append(f"| {ROWS[key]} | {r['size_mib']:.0f} | {r['prefill128_ms']:.0f} | {r['prefill512_ms']:.0f} "
@@ -384,8 +389,11 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     lm = load_model(BundledSource(name="smollm2-135m"))
     ids = tokenize(load_text("pydoc"), lm.tokenizer)
-    splits = split_corpus(ids, eval_tokens=EVAL_TOKENS, calib_tokens=4096)  # as the demo: calibration after eval
-    calib = cut(splits.calib_ids, 512, max_windows=8)
+    import yaml
+
+    data = yaml.safe_load(DEMO_YAML.read_text()).get("data", {})  # the demo's calibration text, after eval
+    splits = split_corpus(ids, eval_tokens=EVAL_TOKENS, calib_tokens=int(data.get("calibration_tokens", 4096)))
+    calib = cut(splits.calib_ids, int(data.get("seq_len", 512)))
     eval_ids, prompt = ids[: EVAL_TOKENS + 1], ids[5000 : 5000 + LONG_PROMPT]
 
     ptes: dict[str, tuple[Path, dict]] = {}
@@ -420,7 +428,7 @@ def main(argv=None) -> int:
             results[key] = {"error": f"{type(exc).__name__}: {exc}"}
         log(f"{key}: {json.dumps({k: v for k, v in results[key].items() if k != 'export'}, default=str)}")
     results = {k: results[k] for k in rows}
-    host = retime(results, ptes, prompt, args.rounds) if args.rounds else None
+    host = retime(results, ptes, prompt, args.rounds, lm.tokenizer) if args.rounds else None
 
     text = (f"bench/executorch.py: SmolLM2-135M, {THREADS} threads, max_seq_len {MAX_SEQ_LEN}; perplexity over the first "
             f"{EVAL_TOKENS + 1} pydoc tokens in {MAX_SEQ_LEN}-token windows; prompts from offset 5000; decode "
@@ -434,7 +442,8 @@ def main(argv=None) -> int:
             + "\n\nx peer: ours / the peer's, the median over timing rounds of the ratio within each round (prefill: "
             "lower is better; decode: higher). export s: "
             "ExecuTorch export (quantize + torch.export + lowering), plus the stages it needs (AWQ, GPTQ); the peer's is "
-            f"optimum-cli's wall time. C++ runner: ExecuTorch's TextLLMRunner's own Stats on the same prompt. "
+            f"optimum-cli's wall time. C++ runner: ExecuTorch's TextLLMRunner's own Stats on the same prompt, timed in "
+            "the same rounds (medians; x peer paired within each round). "
             f"Wall time of this run {time.perf_counter() - t_all:.0f} s.\n"
             + samples_text(results, host))
     print(text)

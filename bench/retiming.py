@@ -30,6 +30,9 @@ class Samples:
     prefill_ms: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     prefill_long_ms: list[float] = field(default_factory=list)
+    #: ExecuTorch's C++ text runner (its own Stats) on the same prompt, in the same rounds
+    cpp_prefill_ms: list[float] = field(default_factory=list)
+    cpp_decode_tok_s: list[float] = field(default_factory=list)
 
 
 def _cpu_times() -> tuple[float, float]:
@@ -70,13 +73,18 @@ def prefill_ms(runner, ids: torch.Tensor, runs: int = 1, warmup: int = 1) -> flo
 
 
 def round_robin(ptes: dict[str, Path], prompt: torch.Tensor, decode_tokens: int, rounds: int, threads: int,
-                long_prompt: torch.Tensor | None = None, log: Callable[[str], None] = print) -> dict[str, Samples]:
+                long_prompt: torch.Tensor | None = None, log: Callable[[str], None] = print,
+                tokenizer=None) -> dict[str, Samples]:
     """Time every ``.pte`` once per round (prefill of ``prompt``, ``decode_tokens`` greedy steps,
-    and a prefill of ``long_prompt`` when given), ``rounds`` rounds, rows in the same order."""
+    and a prefill of ``long_prompt`` when given), ``rounds`` rounds, rows in the same order.
+    With ``tokenizer`` (transformers', to give the C++ runner the prompt as text), ExecuTorch's
+    C++ text runner is timed in the same rounds too, for the files it can run."""
+    from export.executorch_llm_runner import LLMRunnerUnavailable
     from export.executorch_runtime import ExecuTorchRunner
     from export.verify import latency
 
     out = {k: Samples() for k in ptes}
+    no_cpp: set[str] = set()
     for i in range(rounds):
         log(f"timing round {i + 1}/{rounds} over {len(ptes)} .pte files")
         for key, path in ptes.items():
@@ -86,6 +94,16 @@ def round_robin(ptes: dict[str, Path], prompt: torch.Tensor, decode_tokens: int,
             out[key].decode_tok_s.append(lat["decode_tok_s"])
             if long_prompt is not None:
                 out[key].prefill_long_ms.append(prefill_ms(runner, long_prompt))
+            if tokenizer is not None and key not in no_cpp:
+                try:
+                    llm = runner.llm_runner()
+                    text, num_bos = llm.prompt_for(tokenizer, prompt.tolist(), strict=False)
+                    st = llm.timed(text, decode_tokens, num_bos=num_bos, runs=1, warmup=1)
+                    out[key].cpp_prefill_ms.append(st["prefill_ms"])
+                    out[key].cpp_decode_tok_s.append(st["decode_tok_s"])
+                except LLMRunnerUnavailable as exc:
+                    log(f"{key}: C++ runner not timed: {exc}")
+                    no_cpp.add(key)
             runner.close()
     return out
 
@@ -111,5 +129,14 @@ def summarize(samples: dict[str, Samples], reference: str | None = None) -> dict
             if s.prefill_long_ms and ref.prefill_long_ms:
                 row["paired_x_ref"]["prefill512"] = statistics.median(
                     a / b for a, b in zip(s.prefill_long_ms, ref.prefill_long_ms))
+            if len(s.cpp_decode_tok_s) == len(ref.cpp_decode_tok_s) == len(s.decode_tok_s):
+                row["paired_x_ref"]["cpp_decode"] = statistics.median(
+                    a / b for a, b in zip(s.cpp_decode_tok_s, ref.cpp_decode_tok_s))
+                row["paired_x_ref"]["cpp_prefill128"] = statistics.median(
+                    a / b for a, b in zip(s.cpp_prefill_ms, ref.cpp_prefill_ms))
+        if s.cpp_decode_tok_s:
+            row.update(cpp_prefill128_ms=statistics.median(s.cpp_prefill_ms),
+                       cpp_decode_tok_s=statistics.median(s.cpp_decode_tok_s),
+                       cpp_decode_samples=[round(x, 1) for x in s.cpp_decode_tok_s])
         res[key] = row
     return res

@@ -8,6 +8,9 @@ arguments once and carries the hidden states from block to block instead.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -16,19 +19,26 @@ class _NotRecordable(Exception):
     """A block was called without a hidden-states tensor first."""
 
 
+class _PastLastBlock(Exception):
+    """The capture forward stops once the last block has run: the output head's work is not needed."""
+
+
 def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class BlockChain:
     """The calibration windows' hidden states between decoder blocks, so sequential GPTQ runs each
-    block once per window instead of re-running every earlier block (quadratic in depth).
+    block a fixed number of times per window (to calibrate it, then quantized to feed the next)
+    instead of re-running every earlier block (quadratic in depth).
 
-    One forward per window (cache off) records each block's call arguments (attention masks and
-    position embeddings differ per layer type in sliding-window models) and the first block's
-    input. The chain is used only if replaying block ``i`` on block ``i``'s recorded input gives
-    block ``i + 1``'s recorded input on the first window, i.e. the blocks really feed each other
-    and nothing else; otherwise ``ok`` is False and ``why`` says why.
+    One forward per window (cache off, stopped after the last block) records each block's call
+    arguments (attention masks and position embeddings differ per layer type in sliding-window
+    models), the first block's input and the shape of what each block returns. The chain is used
+    only if replaying block ``i`` on block ``i``'s recorded input gives block ``i + 1``'s recorded
+    input on the first window, i.e. the blocks really feed each other and nothing else; otherwise
+    ``ok`` is False and ``why`` says why. :meth:`replay` then runs the model's head (final norm,
+    output projection) on the carried hidden states without running any block again.
     """
 
     def __init__(self, model: nn.Module, blocks: list[str]):
@@ -36,6 +46,8 @@ class BlockChain:
         self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
         self.hidden: list[torch.Tensor] = []  # current input of the next block, one per window
         self.first_inputs: list[torch.Tensor] = []  # every block's input on window 0 (for the check)
+        #: what each block returned on window 0 (a tensor, or a tuple whose first item is the hidden states)
+        self.returns: list[object] = [None for _ in blocks]
         self.ok, self.why = True, ""
 
     @classmethod
@@ -59,12 +71,24 @@ class BlockChain:
                     chain.first_inputs.append(hidden.detach().clone())
             return fn
 
+        def after(i):
+            def fn(_mod, _args, out):
+                if win["j"] == 0:
+                    chain.returns[i] = out
+                if i == len(chain.mods) - 1:
+                    raise _PastLastBlock
+            return fn
+
         for i, mod in enumerate(chain.mods):
             handles.append(mod.register_forward_pre_hook(hook(i), with_kwargs=True))
+            handles.append(mod.register_forward_hook(after(i)))
         try:
             for j, w in enumerate(windows):
                 win["j"] = j
-                model(w.view(1, -1), use_cache=False)
+                try:
+                    model(w.view(1, -1), use_cache=False)
+                except _PastLastBlock:
+                    pass
         except (_NotRecordable, TypeError) as exc:
             chain.ok, chain.why = False, f"the decoder blocks' inputs could not be recorded ({type(exc).__name__})"
         finally:
@@ -100,3 +124,37 @@ class BlockChain:
         """Replace every window's input by block ``i``'s output (with block ``i`` as it is now)."""
         self.hidden = [_first(self.mods[i](h, *self.calls[i][j][0], **self.calls[i][j][1]))
                        for j, h in enumerate(self.hidden)]
+
+    @contextmanager
+    def replay(self, j: int) -> Iterator[None]:
+        """While open, every block returns its input unchanged and the last block returns window
+        ``j``'s carried hidden states (call :meth:`advance` on the last block first), in the form
+        each block returned them: a forward of the model on window ``j`` then runs only what lies
+        outside the blocks (embedding, final norm, output head) and reaches the head with what the
+        quantized blocks computed. Only valid for a chain that is ``ok`` (the blocks feed each other
+        directly, so passing the input through is what the blocks in between would have carried)."""
+        if not self.ok:
+            raise RuntimeError(f"BlockChain.replay on a chain that is not usable: {self.why}")
+        last = len(self.mods) - 1
+
+        def shaped(i: int, hidden: torch.Tensor):
+            ret = self.returns[i]
+            return (hidden, *ret[1:]) if isinstance(ret, tuple) else hidden
+
+        def stand_in(i: int):
+            def forward(*args, **kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                return shaped(i, self.hidden[j] if i == last else hidden)
+            return forward
+
+        saved = [mod.__dict__.get("forward") for mod in self.mods]  # a wrapper's own forward, if any
+        for i, mod in enumerate(self.mods):
+            mod.forward = stand_in(i)
+        try:
+            yield
+        finally:
+            for mod, old in zip(self.mods, saved):
+                if old is None:
+                    del mod.forward  # the class's forward is back
+                else:
+                    mod.forward = old

@@ -243,7 +243,8 @@ def gptq_model(
 
     Each decoder block calibrates on what the blocks before it, already quantized, output for
     the calibration windows (cached between blocks by
-    :class:`~optimize.quant.block_inputs.BlockChain`, so each block runs once per window;
+    :class:`~optimize.quant.block_inputs.BlockChain`, so each block runs twice per window: once
+    to calibrate, once quantized to feed the next; the head then reads the chain's last outputs;
     models whose blocks do not simply feed each other run the model prefix again for every
     block, as before); the block's Linears are then quantized from the
     Hessians of the inputs they received, and their fp32 weights replaced by the de-quantized
@@ -290,12 +291,22 @@ def gptq_model(
     if chain is not None:
         # each block calibrates on the cached outputs of the (already quantized) blocks before it:
         # one block forward per window instead of a forward through every earlier block
+        outside = None in stages
         for i, block in enumerate(blocks):
             if block in stages:
                 calibrate_and_quantize(stages[block], lambda i=i: chain.run_block(i), block)
-            if i < len(blocks) - 1:
+            if i < len(blocks) - 1 or outside:
                 chain.advance(i)
-        rest = [None] if None in stages else []
+        if outside:
+            # the Linears outside the blocks (lm_head) read what the quantized blocks output: the
+            # blocks answer from the chain, so only the embedding, final norm and head run again
+            def feed_from_chain():
+                for j, w in enumerate(windows):
+                    with chain.replay(j):
+                        model(w.view(1, -1), use_cache=False)
+
+            calibrate_and_quantize(stages[None], feed_from_chain, "outside blocks")
+        rest = []
     for block in rest:
         stop = None
         if block is not None and block != blocks[-1]:

@@ -55,3 +55,17 @@ def test_host_monitor_reports_load_and_steal(retiming):
     rep = mon.report()
     assert set(rep) == {"load_avg_start", "load_avg_end", "steal_pct"}
     assert rep["load_avg_start"] >= 0 and (rep["steal_pct"] is None or 0 <= rep["steal_pct"] <= 100)
+
+
+def test_cpp_runner_samples_are_paired_when_every_round_has_them(retiming):
+    """The C++ runner is timed in the same rounds: its medians and paired ratio appear beside the
+    Python loop's; a row without C++ samples (a program the runner cannot run) gets no C++ ratio."""
+    S = retiming.Samples
+    ref = S(prefill_ms=[10, 20], decode_tok_s=[100, 50], cpp_prefill_ms=[9, 18], cpp_decode_tok_s=[200, 100])
+    ours = S(prefill_ms=[8, 16], decode_tok_s=[110, 55], cpp_prefill_ms=[9, 9], cpp_decode_tok_s=[260, 110])
+    bare = S(prefill_ms=[8, 16], decode_tok_s=[110, 55])
+    res = retiming.summarize({"ours": ours, "bare": bare, "peer": ref}, reference="peer")
+    assert res["ours"]["paired_x_ref"]["cpp_decode"] == pytest.approx((1.3 + 1.1) / 2)
+    assert res["ours"]["paired_x_ref"]["cpp_prefill128"] == pytest.approx((1.0 + 0.5) / 2)
+    assert res["ours"]["cpp_decode_tok_s"] == 185 and res["ours"]["cpp_decode_samples"] == [260, 110]
+    assert "cpp_decode" not in res["bare"]["paired_x_ref"] and "cpp_decode_tok_s" not in res["bare"]

@@ -167,3 +167,20 @@ def test_a_crashing_preflight_check_is_reported_not_raised(tiny_cfg):
     assert err.value.problems == [
         ("stages.0", "stage '0:test_boom': its pre-flight check failed on this model (KeyError: 'boom in check_model')")
     ]
+
+
+def test_every_pipeline_example_validates():
+    """Each examples/*.yaml loads as written (a typo there would only surface in ``make demo``), and
+    the main job calibrates GPTQ on 32 windows of its 16384 calibration tokens (README: the
+    host-dependent GPTQ figures and why 32)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    names = sorted(p.name for p in root.glob("*.yaml"))
+    assert {"smollm2.yaml", "smollm2_int8.yaml", "smollm2_onnx.yaml", "tiny.yaml"} <= set(names)
+    for name in names:
+        load_config(root / name, check_files=False)
+    demo = load_config(root / "smollm2.yaml", check_files=False)
+    ptq = next(s for s in demo.stages if s.kind == "ptq_int8")
+    assert ptq.algorithm == "gptq" and ptq.gptq.calibration_windows == 32
+    assert demo.data.calibration_tokens >= 32 * demo.data.seq_len

@@ -162,9 +162,10 @@ def test_pipeline_ships_the_mix_and_the_report_shows_it(tiny_cfg):
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3", "opt", "gpt_neox"])
 def test_cached_block_inputs_give_the_prefix_rerun_result(model_type, monkeypatch):
-    """GPTQ calibrates each block on the cached outputs of the quantized blocks before it (one block
-    forward per window); that must quantize exactly as re-running the model prefix for every block
-    (the old, quadratic path). Covers sliding-window masks per layer type (gemma3_text, with a window
+    """GPTQ calibrates each block on the cached outputs of the quantized blocks before it, and the
+    output head on the last block's (no block runs again); that must quantize exactly as
+    re-running the model prefix for every block and the whole model for the head (the old,
+    quadratic path). Covers sliding-window masks per layer type (gemma3_text, with a window
     shorter than the text), fused projections (phi3), learned positions (opt) and parallel residuals
     (gpt_neox)."""
     import copy
@@ -179,9 +180,11 @@ def test_cached_block_inputs_give_the_prefix_rerun_result(model_type, monkeypatc
     over = {"sliding_window": 16} if model_type == "gemma3_text" else {}
     model = family(model_type, **over)
     blocks = [n for n, _ in decoder_blocks(model)]
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
     targets = {n: WeightScheme(4, 32, True) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and any(n.startswith(b + ".") for b in blocks)
+               if isinstance(m, nn.Linear) and (any(n.startswith(b + ".") for b in blocks) or n == head)
                and m.in_features % 32 == 0}
+    assert head in targets  # the output head calibrates on the chain's last outputs (BlockChain.replay)
     windows = [torch.randint(1, 500, (48,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
 
     said: list[str] = []
