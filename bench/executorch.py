@@ -389,11 +389,11 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     lm = load_model(BundledSource(name="smollm2-135m"))
     ids = tokenize(load_text("pydoc"), lm.tokenizer)
-    import yaml
+    from optimize.config import load_config
 
-    data = yaml.safe_load(DEMO_YAML.read_text()).get("data", {})  # the demo's calibration text, after eval
-    splits = split_corpus(ids, eval_tokens=EVAL_TOKENS, calib_tokens=int(data.get("calibration_tokens", 4096)))
-    calib = cut(splits.calib_ids, int(data.get("seq_len", 512)))
+    data = load_config(DEMO_YAML, check_files=False).data  # the demo's calibration text, read as the pipeline does
+    splits = split_corpus(ids, eval_tokens=EVAL_TOKENS, calib_tokens=data.calibration_tokens)
+    calib = cut(splits.calib_ids, data.seq_len)
     eval_ids, prompt = ids[: EVAL_TOKENS + 1], ids[5000 : 5000 + LONG_PROMPT]
 
     ptes: dict[str, tuple[Path, dict]] = {}

@@ -46,8 +46,9 @@ class BlockChain:
         self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
         self.hidden: list[torch.Tensor] = []  # current input of the next block, one per window
         self.first_inputs: list[torch.Tensor] = []  # every block's input on window 0 (for the check)
-        #: what each block returned on window 0 (a tensor, or a tuple whose first item is the hidden states)
-        self.returns: list[object] = [None for _ in blocks]
+        #: what each block returns after its hidden states (window 0): None for a bare tensor, else the
+        #: rest of its tuple/list (attention weights, caches), for :meth:`replay` to return alike
+        self.tails: list[tuple | list | None] = [None for _ in blocks]
         self.ok, self.why = True, ""
 
     @classmethod
@@ -74,7 +75,7 @@ class BlockChain:
         def after(i):
             def fn(_mod, _args, out):
                 if win["j"] == 0:
-                    chain.returns[i] = out
+                    chain.tails[i] = out[1:] if isinstance(out, (tuple, list)) else None
                 if i == len(chain.mods) - 1:
                     raise _PastLastBlock
             return fn
@@ -138,8 +139,8 @@ class BlockChain:
         last = len(self.mods) - 1
 
         def shaped(i: int, hidden: torch.Tensor):
-            ret = self.returns[i]
-            return (hidden, *ret[1:]) if isinstance(ret, tuple) else hidden
+            tail = self.tails[i]
+            return hidden if tail is None else type(tail)((hidden, *tail))
 
         def stand_in(i: int):
             def forward(*args, **kwargs):

@@ -290,7 +290,7 @@ def gptq_model(
     rest = order
     if chain is not None:
         # each block calibrates on the cached outputs of the (already quantized) blocks before it:
-        # one block forward per window instead of a forward through every earlier block
+        # two forwards of that block per window instead of a forward through every earlier block
         outside = None in stages
         for i, block in enumerate(blocks):
             if block in stages:
