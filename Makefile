@@ -22,10 +22,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: setup
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10
 
 test-fast: setup
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m "not slow"
 
 demo: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/optimize pipeline examples/smollm2.yaml --target executorch

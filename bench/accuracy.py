@@ -27,8 +27,11 @@ from pathlib import Path
 
 # as a script this folder would shadow the real ``executorch`` package with bench/executorch.py
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
+
+from bench.common import failed_row  # noqa: E402
 
 THREADS = 2
 PROMPT, DECODE = 128, 32
@@ -160,7 +163,7 @@ def table(results: list[dict], fp32_ppl: float, fp32_size: float) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['runtime']} | failed: {r['error'][:120]} | | | | | | |")
+            lines.append(failed_row(f"{r['name']} | {r['runtime']}", r["error"], 6, width=120))
             continue
         dec = f"{r['decode_tok_s']:.1f}" + (f" ({r['decode_tok_s'] / plain_dec:.2f}x)" if plain_dec else "")
         pf = f"{r['prefill_ms']:.0f}" + (f" ({r['prefill_ms'] / fp32_pf:.2f}x)" if fp32_pf else "")

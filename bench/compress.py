@@ -41,7 +41,7 @@ from pathlib import Path
 # Run as a script, this file's folder would come first on sys.path and shadow packages.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# before torch loads: MKL serial on ExecuTorch's workers (export/blas_threads.py); main() sets torch's threads
+# before torch loads: MKL serial on ExecuTorch's workers (export/executorch/blas_threads.py); main() sets torch's threads
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402
 
@@ -91,8 +91,8 @@ class Bench:
 
     def export(self, model, name: str, row: str) -> dict:
         """Export (cached by name) and measure size, decode speed and perplexity in the runtime."""
-        from export.executorch import ExecuTorchExporter
-        from export.executorch_runtime import set_threads
+        from export.executorch.exporter import ExecuTorchExporter
+        from export.executorch.runner import set_threads
         from export.verify import latency, perplexity
 
         none = {"pte_mb": None, "decode_tok_s": None, "prefill_ms": None, "pte_ppl": None}
@@ -179,7 +179,6 @@ class Bench:
         from optimize.finetune import finetune
         from optimize.losses import DistillLoss
         from optimize.stage_api import get_stage
-        from optimize.stages._ptq_plan import plan
         from optimize.stages.ptq_int8 import Ptq8Config, linear_config
         from optimize.stages.qat import QatConfig
 
@@ -195,7 +194,7 @@ class Bench:
         steps, _ = self.steps_for_budget(self.model, self.model, qcfg, QatConfig)
         cfg = QatConfig(steps=steps, **qcfg)
         model = copy.deepcopy(self.model)
-        p = plan(model, cfg.ptq_config())
+        p = cfg.ptq_config().layer_plan(model)
         eight = set(p["int8"])
         groups = [(linear_config(cfg.ptq_config()), set(p["selected"]) - eight),
                   (linear_config(cfg.ptq_config().model_copy(update={"scheme": "8da8w", "group_size": None})), eight)]

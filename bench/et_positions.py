@@ -17,7 +17,6 @@ is as large as all the projections together.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,22 +28,13 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
 
+from bench.common import load_pte_module, print_results  # noqa: E402
+
 
 def load(pte: Path, threads: int):
     """A program's ``forward`` through ExecuTorch's pybindings (one token at ``input_pos`` [1] fits both
     conventions: the positions of the fed tokens, or the start position)."""
-    import executorch.kernels.quantized  # noqa: F401  (quantized embedding kernels)
-    from executorch.extension.pybindings import portable_lib
-
-    from export.executorch_runtime import _uses_llama_custom_ops, load_llama_custom_ops, set_threads
-
-    pte = Path(pte)
-    if not pte.is_file():
-        raise FileNotFoundError(f"no .pte at {pte}")
-    if _uses_llama_custom_ops(pte):
-        load_llama_custom_ops()
-    set_threads(threads)
-    return portable_lib._load_for_executorch(str(pte))
+    return load_pte_module(pte, threads)
 
 
 def sweep(ptes: list[Path], positions: list[int], *, steps: int = 30, rounds: int = 9, threads: int = 2) -> dict:
@@ -56,7 +46,7 @@ def sweep(ptes: list[Path], positions: list[int], *, steps: int = 30, rounds: in
     if min(positions) < 0:
         raise ValueError(f"positions must be >= 0, got {positions}")
     # MKL inside custom_sdpa must stay serial: on ExecuTorch's workers only MKL_NUM_THREADS (set before
-    # torch loads; main() does it) reaches it (export/blas_threads.py); one intra-op thread covers the
+    # torch loads; main() does it) reaches it (export/executorch/blas_threads.py); one intra-op thread covers the
     # calling thread, which takes a share of each parallel_for.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -114,16 +104,12 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--positions takes comma-separated integers, got {a.positions!r}")
     res = sweep(a.pte, positions, steps=a.steps, rounds=a.rounds, threads=a.threads)
-    print(f"ms per decode step (1 token), median of {a.rounds} rounds of {a.steps} calls, {a.threads} threads, "
-          "one process, libtorch intra-op threads 1")
-    print(table(res))
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return print_results(f"ms per decode step (1 token), median of {a.rounds} rounds of {a.steps} calls, "
+                         f"{a.threads} threads, one process, libtorch intra-op threads 1", table(res), res, a.json)
 
 
 if __name__ == "__main__":
     import os
 
-    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads (export/blas_threads.py)
+    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads (export/executorch/blas_threads.py)
     raise SystemExit(main())

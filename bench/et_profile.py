@@ -24,7 +24,6 @@ same samples in that kernel for both programs. The README's "Where the time goes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
+
+from bench.common import load_pte_module, print_results  # noqa: E402
 
 #: events that frame a call or a load rather than doing work of their own
 _FRAME = {"Method::execute", "Program::load_method", "Method::init"}
@@ -95,20 +96,11 @@ def profile(pte: Path, *, tokens: int = 1, position: int = 128, calls: int = 10,
     The cache below ``position`` is filled first (a prefill in chunks), so attention reads real
     keys, as in generation, and not whatever the arena held."""
     import torch
-    import executorch.kernels.quantized  # noqa: F401  (quantized embedding kernels)
     from executorch.devtools import Inspector
-    from executorch.extension.pybindings import portable_lib
 
-    from export.blas_threads import serial_torch
-    from export.executorch_runtime import _uses_llama_custom_ops, load_llama_custom_ops, set_threads
+    from export.executorch.blas_threads import serial_torch
 
-    pte = Path(pte)
-    if not pte.is_file():
-        raise FileNotFoundError(f"no .pte at {pte}")
-    if _uses_llama_custom_ops(pte):
-        load_llama_custom_ops()
-    set_threads(threads)
-    m = portable_lib._load_for_executorch(str(pte), enable_etdump=True, debug_buffer_size=0)
+    m = load_pte_module(pte, threads, enable_etdump=True, debug_buffer_size=0)
     pos_is_range = int(m.method_meta("forward").input_tensor_meta(1).sizes()[0]) > 1
 
     def call(start: int, n: int) -> None:
@@ -174,16 +166,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the breakdowns here")
     a = ap.parse_args(argv)
     results = [profile(p, tokens=a.tokens, position=a.position, calls=a.calls, threads=a.threads) for p in a.pte]
-    print(f"ms per forward of {a.tokens} token(s) at position {a.position}, median of {a.calls} calls, "
-          f"{a.threads} threads (ETDump)")
-    print(table(results))
-    if a.json:
-        a.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return print_results(f"ms per forward of {a.tokens} token(s) at position {a.position}, median of {a.calls} "
+                         f"calls, {a.threads} threads (ETDump)", table(results), results, a.json)
 
 
 if __name__ == "__main__":
     import os
 
-    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads (export/blas_threads.py)
+    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads (export/executorch/blas_threads.py)
     raise SystemExit(main())

@@ -7,7 +7,7 @@ Rows: ours fp32, ours 8da8w, ours 8da4w with the demo recipe (the stages and exp
 plus the decode ceilings from a copy bandwidth measured in the same run.
 
 Every .pte is measured by the same code in this process (``export.verify`` through
-:class:`~export.executorch_runtime.ExecuTorchRunner`, ``forward(tokens[1, T], input_pos)`` from
+:class:`~export.executorch.runner.ExecuTorchRunner`, ``forward(tokens[1, T], input_pos)`` from
 Python, 2 threads) on the same text: the project's reference (perplexity over the first 4097
 pydoc tokens in 512-token windows; prompts from offset 5000; median of ``--runs`` after a
 warm-up). ExecuTorch's own C++ text runner (TextLLMRunner) is timed on the same prompt too.
@@ -37,8 +37,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
+
+from bench.common import failed_row  # noqa: E402
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# before torch loads: MKL serial on ExecuTorch's workers (export/blas_threads.py); main() sets torch's threads
+# before torch loads: MKL serial on ExecuTorch's workers (export/executorch/blas_threads.py); main() sets torch's threads
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402
 
@@ -58,7 +60,8 @@ ROWS = {
     "peer": "optimum-executorch 8da4w",
 }
 #: files under export/ that only load or measure programs: editing them does not change a .pte
-RUNTIME_ONLY = {"executorch_runtime.py", "executorch_llm_runner.py", "runtime.py", "verify.py", "blas_threads.py"}
+RUNTIME_ONLY = {"executorch/runner.py", "executorch/llm_runner.py", "executorch/blas_threads.py", "runtime.py",
+                "verify.py"}
 
 
 def log(msg: str) -> None:
@@ -88,7 +91,9 @@ def our_recipes() -> dict[str, tuple[list[dict], dict]]:
 def _code_digest(stages: list[dict]) -> str:
     """The exporter's code (and the stages' when there are stages), runtime-only files left out."""
     root = HERE.parent
-    files = [f for f in sorted((root / "export").glob("*.py")) if f.name not in RUNTIME_ONLY and "onnx" not in f.name]
+    export_dir = root / "export"  # the shared floor and the ExecuTorch package, not the other runtimes
+    files = [f for f in sorted([*export_dir.glob("*.py"), *(export_dir / "executorch").glob("*.py")])
+             if f.relative_to(export_dir).as_posix() not in RUNTIME_ONLY]
     if stages:
         files += sorted((root / "optimize").rglob("*.py"))
     h = hashlib.sha256()
@@ -101,7 +106,7 @@ def _code_digest(stages: list[dict]) -> str:
 def export_ours(name: str, stages: list[dict], opts: dict, lm, calib, cache: Path) -> tuple[Path, dict]:
     """Our .pte for a row (cached by stages, options, toolchain and code); returns (path, timings)."""
     from bench.accuracy import Row, _prepare
-    from export.executorch import ExecuTorchExporter
+    from export.executorch.exporter import ExecuTorchExporter
     from optimize.export_cache import toolchain_versions
 
     calib_tokens = sum(int(w.numel()) for w in calib) if stages else 0  # the stages' calibration text
@@ -254,8 +259,8 @@ ROW_CEILING = {"fp32": "fp32", "8da8w": "int8", "demo": "4-bit g32, lm_head int8
 
 def measure(pte: Path, eval_ids, prompt, tokenizer, runs: int) -> dict:
     from bench.retiming import prefill_ms
-    from export.executorch_llm_runner import LLMRunnerUnavailable
-    from export.executorch_runtime import ExecuTorchRunner
+    from export.executorch.llm_runner import LLMRunnerUnavailable
+    from export.executorch.runner import ExecuTorchRunner
     from export.verify import latency, perplexity
 
     runner = ExecuTorchRunner(pte, threads=THREADS)
@@ -327,7 +332,7 @@ def table(results: dict[str, dict], ceil: dict[str, dict], bandwidth: float) -> 
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, r in results.items():
         if "error" in r:
-            lines.append(f"| {ROWS[key]} | failed: {r['error'][:150]} |" + " |" * 12)
+            lines.append(failed_row(ROWS[key], r["error"], 12))
             continue
         c = ceil[ROW_CEILING[key]]["tok_s"]
         exp = r.get("export", {})
@@ -353,7 +358,7 @@ def table(results: dict[str, dict], ceil: dict[str, dict], bandwidth: float) -> 
                      f"{k} {v['tok_s']:.0f} tok/s ({v['bytes_per_token'] / 1e6:.0f} MB)" for k, v in ceil.items()) + ".")
     lines.append(f"Reading a buffer of those bytes (a float32 sum, {THREADS} threads; L3 {l3_cache()}) instead: "
                  + ", ".join(f"{k} {v['read_tok_s']:.0f} tok/s ({v['read_gb_s']:.0f} GB/s)" for k, v in ceil.items())
-                 + f". MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS')} (export/blas_threads.py).")
+                 + f". MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS')} (export/executorch/blas_threads.py).")
     return "\n".join(lines)
 
 
@@ -381,7 +386,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(THREADS)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
-    from export.executorch_runtime import set_threads
+    from export.executorch.runner import set_threads
     from train.corpus import load_text, split_corpus, tokenize
     from train.corpus import windows as cut
     from train.sources import BundledSource, bundled_gguf_path, convert_gguf, load_model

@@ -35,13 +35,15 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import run_json_child  # noqa: E402
 WINDOW = 512
 
 #: name -> (LoopConfig overrides, devices, what it shows)
@@ -169,15 +171,7 @@ def _launch(name: str, length: int, args) -> dict:
            "--steps", str(args.steps), "--device", args.device, "--precision", args.precision, "--result", str(out)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.setdefault("OMP_NUM_THREADS", "2")
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f}s"}
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"failed ({proc.returncode}): {tail[:160]}"}
-    return {**json.loads(out.read_text()), "wall_s": time.time() - t0}
+    return run_json_child(cmd, out, env, args.timeout)
 
 
 def _exponent(points: list[tuple[int, float]]) -> str:

@@ -12,7 +12,7 @@ Rows, each built in this run and measured by the same loop:
 The loop is the project's reference measurement (shared notes): perplexity over the first 4097
 pydoc tokens (4096 targets) in 512-token windows; prompts from offset 5000; 2 threads; median of
 ``--runs`` (>= 3) after a warm-up. Every row runs in a plain ``InferenceSession``
-(:class:`export.onnx_runner.OnnxRuntimeRunner`) and its decode also through onnxruntime-genai's
+(:class:`export.onnxruntime.runner.OnnxRuntimeRunner`) and its decode also through onnxruntime-genai's
 ``Generator`` (``genai decode``). ``build s`` is the stages plus the export for our rows, the
 builder's run for its rows. ``--with-pipeline`` also times ``optimize pipeline`` on the W8A8
 recipe end to end (its own checks included).
@@ -59,7 +59,7 @@ def measure(runner, genai, eval_ids, prompt, runs: int, decode_tokens: int) -> d
 
 def build_ours(name: str, lm, splits, out: Path, log) -> tuple[Path, float, dict]:
     """Apply a recipe's stages (as the pipeline would) and export; returns (dir, seconds, info)."""
-    from export.onnxruntime import OnnxRuntimeExporter
+    from export.onnxruntime.exporter import OnnxRuntimeExporter
     from optimize.config import export_options, load_config
     from optimize.stage_api import StageContext, get_stage
     from targets import load_target
@@ -89,7 +89,7 @@ def build_ours(name: str, lm, splits, out: Path, log) -> tuple[Path, float, dict
 
 
 def build_peer(precision: str, hf_dir: Path, out: Path) -> tuple[Path, float]:
-    from export.ort_genai_builder import build
+    from export.onnxruntime.genai_builder import build
 
     t = time.perf_counter()
     build(hf_dir, out, precision=precision, extra_options={})
@@ -131,8 +131,8 @@ def main(argv=None) -> int:
         print(msg, flush=True)
         lines.append(msg)
 
-    from export.onnx_genai_runner import GenaiRunner
-    from export.onnx_runner import OnnxRuntimeRunner
+    from export.onnxruntime.genai_runner import GenaiRunner
+    from export.onnxruntime.runner import OnnxRuntimeRunner
     from train.corpus import load_text, split_corpus, tokenize
     from train.sources import BundledSource, load_model
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             runner = OnnxRuntimeRunner(path / "model.onnx", intra_op_threads=args.threads, max_seq_len=None)
             genai = GenaiRunner(path, max_seq_len=2048, intra_op_threads=args.threads)
             row = measure(runner, genai, splits.eval_ids, prompt, args.runs, args.decode_tokens) | {"build_s": build_s}
-            from export.ort_fused import op_counts
+            from export.onnxruntime.fused import op_counts
 
             row["ops"] = info.get("ops") or op_counts(path / "model.onnx")
             row["nodes"] = sum(row["ops"].values())

@@ -79,8 +79,8 @@ def round_robin(ptes: dict[str, Path], prompt: torch.Tensor, decode_tokens: int,
     and a prefill of ``long_prompt`` when given), ``rounds`` rounds, rows in the same order.
     With ``tokenizer`` (transformers', to give the C++ runner the prompt as text), ExecuTorch's
     C++ text runner is timed in the same rounds too, for the files it can run."""
-    from export.executorch_llm_runner import LLMRunnerUnavailable
-    from export.executorch_runtime import ExecuTorchRunner
+    from export.executorch.llm_runner import LLMRunnerUnavailable
+    from export.executorch.runner import ExecuTorchRunner
     from export.verify import latency
 
     out = {k: Samples() for k in ptes}

@@ -6,7 +6,7 @@
 2. GQA on the real SmolLM2-135M (9 query / 3 KV heads -> 1 KV head): perplexity by the
    reference method (first 4097 pydoc tokens, 512-token windows) before, after the rewrite
    and after a short distillation heal; KV-cache bytes per token; decode tok/s in ExecuTorch
-   if ``export/executorch.py`` is available and --runtime allows it, else eager (noted).
+   if ``export/executorch/exporter.py`` is available and --runtime allows it, else eager (noted).
 
     .venv/bin/python bench/rewrites.py --out /tmp/bench_rewrites.txt
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import statistics
 import sys
 import tempfile
@@ -58,16 +57,11 @@ def interleaved_medians(fa, fb, runs: int, warmup: int = 2) -> tuple[float, floa
 
 
 def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
-    nll, n = 0.0, 0
-    with torch.inference_mode():
-        for s in range(0, ids.numel() - 1, window):
-            chunk = ids[s : s + window + 1]
-            if chunk.numel() < 2:
-                break
-            logits = model(input_ids=chunk[:-1].unsqueeze(0)).logits[0].float()
-            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            n += chunk.numel() - 1
-    return math.exp(nll / n)
+    """The pipeline's own perplexity (export.verify: non-overlapping windows, summed NLL)."""
+    from export.runtime import EagerRunner
+    from export.verify import perplexity as runner_perplexity
+
+    return runner_perplexity(EagerRunner(model), ids, window)["perplexity"]
 
 
 def bench_rmsnorm(args, rows: list[tuple[str, str]]) -> None:

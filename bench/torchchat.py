@@ -1,6 +1,6 @@
 """Benchmark the TorchChat target on SmolLM2-135M: model.pth, model.pt2 and model.pte against HF eager.
 
-One export (``export.torchchat``: Meta-layout .pth + params.json, AOTInductor .pt2, ExecuTorch
+One export (``export.torchchat.exporter``: Meta-layout .pth + params.json, AOTInductor .pt2, ExecuTorch
 .pte, all with max_seq_len 512), then every artifact and the eager fp32 model are measured by
 the same code in this process (``export.verify`` through each runner, 2 threads) on the project's
 reference text: perplexity over the first 4097 pydoc tokens in 512-token windows, logit parity
@@ -25,6 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
+
+from bench.common import failed_row  # noqa: E402
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
 
@@ -106,7 +108,7 @@ def table(results: dict, timings: dict, scheme: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for key, r in results.items():
         if "error" in r:
-            lines.append(f"| {LABELS[key]} | failed: {r['error'][:160]} |" + " |" * 9)
+            lines.append(failed_row(LABELS[key], r["error"], 9, width=160))
             continue
         speed = [_f(eager.get("prefill128_ms", 0) / r["prefill128_ms"], ".2f") if eager else "-",
                  _f(r["decode_tok_s"] / eager["decode_tok_s"], ".2f") if eager.get("decode_tok_s") else "-"]
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(THREADS)
 
     from export.base import get_exporter
-    from export.executorch_runtime import set_threads
+    from export.executorch.runner import set_threads
     from export.runtime import EagerRunner
     from train.corpus import load_text, tokenize
     from train.sources import BundledSource, load_model

@@ -21,13 +21,14 @@ import csv
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import run_json_child  # noqa: E402
 
 #: option -> (LoopConfig overrides, note)
 OPTIONS: dict[str, tuple[dict, str]] = {
@@ -103,15 +104,7 @@ def _launch(option: str, seq: int, steps: int, timeout: float) -> dict:
     else:
         env.setdefault("OMP_NUM_THREADS", "2")
         cmd = [sys.executable, __file__, *args]
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f}s"}
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"failed ({proc.returncode}): {tail[:120]}"}
-    return {**json.loads(out.read_text()), "wall_s": time.time() - t0}
+    return run_json_child(cmd, out, env, timeout, tail=120)
 
 
 def main() -> None:

@@ -1,6 +1,11 @@
 """Exporters to edge and server runtimes, each verified by loading its artifact back.
 
-Import submodules explicitly (``export.executorch``, ``export.onnxruntime``); this package
+One package per runtime: :mod:`export.executorch`, :mod:`export.onnxruntime` and
+:mod:`export.torchchat`, each with its exporter, recipes and runner. Beside them, the shared floor
+that every runtime builds on: the exporter contract and registry (``base.py``), the runner
+interface (``runtime.py``), verification of an artifact against eager (``verify.py``) and the
+exported-precision check (``precision.py``). A runtime package imports the shared floor and, where
+it reuses another runtime (TorchChat's ``.pte``), only that package's public names. This package
 imports nothing heavy on its own.
 """
 

@@ -98,6 +98,18 @@ def package_versions(*packages: str) -> dict[str, str]:
     return out
 
 
+def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:
+    """Every end-of-sequence id the model or its tokenizer declares, for an artifact's metadata
+    (ExecuTorch's ``get_eos_ids``, TorchChat's runner): generation config, model config, tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(src, "eos_token_id", None)
+        ids.update([e] if isinstance(e, int) else (e or []))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(int(i) for i in ids)
+
+
 # name -> "module:Class", imported on first use so that importing ``export`` stays cheap.
 _EXPORTERS: dict[str, str] = {
     "executorch": "export.executorch:ExecuTorchExporter",

@@ -17,6 +17,13 @@ class RunnerError(RuntimeError):
     """An artifact could not be loaded or run; the message names the file and the cause."""
 
 
+class RunnerInputError(RunnerError, ValueError):
+    """The tokens fed to a runner do not fit it (none at all, or more than its KV cache holds).
+
+    A :class:`RunnerError` for the pipeline's handlers and a ``ValueError`` for callers that
+    treat it as bad input; every runner raises it from :meth:`Runner.checked_ids`."""
+
+
 class Runner(abc.ABC):
     """A causal LM in some runtime, driven one chunk of tokens at a time.
 
@@ -42,6 +49,22 @@ class Runner(abc.ABC):
         for the last position only. Implementations split long inputs into chunks their
         runtime accepts; the result is the same as one call.
         """
+
+    def checked_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` as a 1-D LongTensor, refused when empty or when the cache cannot take them all.
+
+        Runners call this first in :meth:`forward`, so the message is the same in every runtime."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        t = int(ids.numel())
+        if t == 0:
+            raise RunnerInputError("forward needs at least one token")
+        pos, limit = self.position, self.max_seq_len
+        if limit is not None and pos + t > limit:
+            where = f"{self.path.name}: " if getattr(self, "path", None) is not None else ""
+            raise RunnerInputError(
+                f"{where}the KV cache is full: {pos} cached + {t} new tokens exceed max_seq_len={limit} "
+                f"({limit - pos} positions left); call reset() or export with a larger max_seq_len")
+        return ids
 
     @property
     def position(self) -> int:

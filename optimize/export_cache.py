@@ -39,8 +39,9 @@ def _exporter_source_digest() -> str:
     import export
 
     h = hashlib.sha256()
-    for f in sorted(Path(export.__file__).parent.glob("*.py")):
-        h.update(f.name.encode())
+    root = Path(export.__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -102,7 +102,7 @@ def generate_from_artifact(
 def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int, write: Callable[[str], None], *,
                      required: bool, say: Callable[[str], None] | None) -> str | None:
     """Generate with ExecuTorch's C++ runner; None (reason logged) where it cannot serve this artifact."""
-    from export.executorch_llm_runner import LLMRunnerUnavailable
+    from export.executorch.llm_runner import LLMRunnerUnavailable
 
     if not hasattr(loaded, "llm_runner"):
         if required:

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-# before torch loads (export/blas_threads.py): MKL serial on ExecuTorch's workers, as the CLI runs it
+# before torch loads (export/executorch/blas_threads.py): MKL serial on ExecuTorch's workers, as the CLI runs it
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 import torch  # noqa: E402
 

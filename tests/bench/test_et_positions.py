@@ -35,7 +35,7 @@ def test_bad_arguments_are_refused(et_positions, tmp_path):
 def test_sweep_of_a_tiny_program_against_its_copy(et_positions, tiny_llama, tmp_path):
     """Two copies of one real program: every position timed for both, ratios near 1, and a position
     past the cache is a clear error."""
-    from export.executorch import ExecuTorchOptions, lower_to_pte
+    from export.executorch.exporter import ExecuTorchOptions, lower_to_pte
 
     class Tok:
         bos_token_id, eos_token_id, vocab_file = 1, 2, ""

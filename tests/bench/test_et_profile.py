@@ -47,7 +47,7 @@ def test_breakdown_is_the_median_over_calls(et_profile):
 def test_profile_of_a_tiny_program(et_profile, tiny_llama, tmp_path):
     """A real 2-layer program: one custom_sdpa and two cache updates per layer per call, GEMMs
     inside XNNPACK, and rows that add up to the call (within the runtime's own glue)."""
-    from export.executorch import ExecuTorchOptions, lower_to_pte
+    from export.executorch.exporter import ExecuTorchOptions, lower_to_pte
 
     class Tok:
         bos_token_id, eos_token_id, vocab_file = 1, 2, ""

@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import TINY_CONFIGS  # the shared tiny configs (one definition)
+
+#: the tiny Llama the exporters' tests share; a larger init so quantization errors show in the logits
+TINY_LLAMA = {**TINY_CONFIGS["llama"], "initializer_range": 0.2}
+
+
+def quiet(*_a, **_k):
+    """An exporter ``log`` that prints nothing."""
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny Llama (model and tokenizer), built once per test module."""
+    from train.sources import RandomSource, load_model
+
+    return load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
+
 
 class _Tok:
     """The tokenizer fields the ExecuTorch metadata reads, for models without a real tokenizer."""
@@ -15,8 +32,8 @@ class _Tok:
 def lower_variants(tmp_path):
     """``lower(model, field, **common)``: the model lowered to a ``.pte`` once with the ExecuTorch
     option ``field`` true and once false; returns ``(runners, details)`` keyed by that value."""
-    from export.executorch import ExecuTorchOptions, lower_to_pte
-    from export.executorch_runtime import ExecuTorchRunner
+    from export.executorch.exporter import ExecuTorchOptions, lower_to_pte
+    from export.executorch.runner import ExecuTorchRunner
 
     def lower(model, field: str, **common):
         runners, details = {}, {}
@@ -45,9 +62,9 @@ def exported_decoder():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from export.executorch_delegable import split_as_slices, static_reshapes, swap_rms_norms
-    from export.executorch_fusion import fuse_projections, merge_duplicate_linears
-    from export.executorch_llm import ExecuTorchDecoder, plan_layers
+    from export.executorch.delegable import split_as_slices, static_reshapes, swap_rms_norms
+    from export.executorch.fusion import fuse_projections, merge_duplicate_linears
+    from export.executorch.llm import ExecuTorchDecoder, plan_layers
 
     def export(model_type: str, **over):
         torch.manual_seed(0)

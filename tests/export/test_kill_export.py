@@ -160,7 +160,7 @@ def test_sigkill_at_every_step_leaves_old_or_nothing_and_rerun_succeeds(name, ti
     # step of shipping) is captured so that children and reruns ship the same program quickly
     lowered = {}
     if name == "executorch":
-        import export.executorch as et
+        import export.executorch.exporter as et
 
         real_lower = et.lower_to_pte
 
@@ -177,11 +177,11 @@ def test_sigkill_at_every_step_leaves_old_or_nothing_and_rerun_succeeds(name, ti
 
     def patch():
         if lowered:
-            import export.executorch as et
+            import export.executorch.exporter as et
 
             et.lower_to_pte = lambda *a, **k: lowered["result"]
 
-    patch_in_parent = (lambda: monkeypatch.setattr("export.executorch.lower_to_pte",
+    patch_in_parent = (lambda: monkeypatch.setattr("export.executorch.exporter.lower_to_pte",
                                                    lambda *a, **k: lowered["result"])) if lowered else (lambda: None)
 
     # the steps a re-export over an existing artifact takes

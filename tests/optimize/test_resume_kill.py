@@ -23,6 +23,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow  # a pipeline killed mid-stage, then resumed (about 15 s)
 @pytest.mark.timeout(300)
 def test_kill_during_stage_then_resume(tiny_cfg, tmp_path):
     marker = tmp_path / "stage2-started"

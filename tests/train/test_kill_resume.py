@@ -21,6 +21,7 @@ def _wait_for(path, proc, timeout: float) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # two training processes, one killed (about 27 s)
 @pytest.mark.timeout(420)
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, th):
     steps = 14

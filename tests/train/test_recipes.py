@@ -8,6 +8,7 @@ import json
 import pytest
 
 
+@pytest.mark.slow  # the recipe as shipped, in a child process (about 14 s)
 @pytest.mark.timeout(300)
 def test_limited_hardware_recipe_runs_as_is(tmp_path, th):
     out = tmp_path / "limited"

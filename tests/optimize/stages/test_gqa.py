@@ -202,16 +202,11 @@ def test_refused_at_validation_and_planned_kv_heads_flow_on(tiny_cfg):
 
 
 def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
-    nll, n = 0.0, 0
-    with torch.no_grad():
-        for s in range(0, ids.numel() - 1, window):
-            chunk = ids[s:s + window + 1]
-            if chunk.numel() < 2:
-                break
-            logits = model(input_ids=chunk[:-1].unsqueeze(0)).logits[0].float()
-            nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
-            n += chunk.numel() - 1
-    return math.exp(nll / n)
+    """The pipeline's own perplexity (export.verify: non-overlapping windows, summed NLL)."""
+    from export.runtime import EagerRunner
+    from export.verify import perplexity as runner_perplexity
+
+    return runner_perplexity(EagerRunner(model), ids, window)["perplexity"]
 
 
 @pytest.mark.slow

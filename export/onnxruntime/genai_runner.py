@@ -1,0 +1,115 @@
+"""A :class:`Runner` over onnxruntime-genai: the runtime apps on Android, iOS and Windows use.
+
+It loads an export directory (``genai_config.json`` + ``model.onnx`` + tokenizer files) with
+``onnxruntime_genai.Model`` and drives a ``Generator``: ``append_tokens`` feeds a chunk and
+``get_output("logits")`` returns the logits of every appended position, so the pipeline's
+perplexity, parity, greedy and latency checks measure the artifact the way an app runs it.
+:func:`genai_greedy` is onnxruntime-genai's own greedy search (``generate_next_token``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.runtime import Runner, RunnerError
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def _load_model(directory: Path, threads: int | None):
+    """(og.Model, genai_config dict); ``threads`` overrides the session's intra-op threads
+    through ``Config.overlay`` (the file stays as shipped)."""
+    import onnxruntime_genai as og
+
+    directory = Path(directory)
+    cfg_path = directory / GENAI_CONFIG
+    if not cfg_path.is_file():
+        raise RunnerError(f"{directory} is not an onnxruntime-genai model: {GENAI_CONFIG} is missing")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        config = og.Config(str(directory))
+        if threads:
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+                "intra_op_num_threads": int(threads), "inter_op_num_threads": 1}}}}))
+        return og.Model(config), cfg
+    except Exception as exc:
+        raise RunnerError(f"onnxruntime-genai could not load {directory}: {type(exc).__name__}: {exc}") from None
+
+
+class GenaiRunner(Runner):
+    """An export directory run by ``onnxruntime_genai`` (CPU). ``max_seq_len`` is the search
+    ``max_length`` its KV buffers are sized for (``genai_config.json``'s, unless given)."""
+
+    runtime = "onnxruntime-genai"
+
+    def __init__(self, directory: Path, *, max_seq_len: int | None = None, intra_op_threads: int | None = None):
+        import onnxruntime_genai as og
+
+        self.path = Path(directory)
+        self.threads = int(intra_op_threads or torch.get_num_threads())
+        self.model, self.config = _load_model(self.path, self.threads)
+        self._og = og
+        self.max_seq_len = int(max_seq_len or self.config["search"]["max_length"])
+        self._gen = None
+        self.reset()
+
+    def reset(self) -> None:
+        self._gen = None
+        self._pos = 0
+
+    def _generator(self):
+        if self._gen is None:
+            params = self._og.GeneratorParams(self.model)
+            params.set_search_options(max_length=self.max_seq_len, do_sample=False)
+            self._gen = self._og.Generator(self.model, params)
+        return self._gen
+
+    def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
+        ids = self.checked_ids(ids)
+        t = int(ids.numel())
+        gen = self._generator()
+        try:
+            gen.append_tokens(ids.to(torch.int32).numpy())
+            logits = gen.get_output("logits")
+        except Exception as exc:
+            raise RunnerError(f"onnxruntime-genai failed running {self.path}: {type(exc).__name__}: {exc}") from None
+        self._pos += t
+        logits = np.asarray(logits, dtype=np.float32).reshape(-1, logits.shape[-1])[-t:]
+        return torch.from_numpy(np.ascontiguousarray(logits if all_logits else logits[-1:]))
+
+    def size_bytes(self) -> int:
+        from export.onnxruntime.runner import onnx_files
+
+        return sum(f.stat().st_size for f in onnx_files(self.path / self.config["model"]["decoder"]["filename"]))
+
+    def describe(self) -> dict:
+        import onnxruntime_genai as og
+
+        return {"runtime": self.runtime, "model": str(self.path), "onnxruntime_genai": og.__version__,
+                "max_seq_len": self.max_seq_len, "provider": "cpu", "intra_op_threads": self.threads}
+
+    def close(self) -> None:
+        self._gen = None
+        self.model = None
+
+
+def genai_greedy(directory: Path, prompt_ids, max_new_tokens: int, *, model=None) -> list[int]:
+    """onnxruntime-genai's own greedy search: ``append_tokens(prompt)`` then
+    ``generate_next_token`` until ``max_new_tokens`` (or its EOS / max_length)."""
+    import onnxruntime_genai as og
+
+    model = model or _load_model(Path(directory), None)[0]
+    prompt = [int(t) for t in prompt_ids]
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + max_new_tokens, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+    out: list[int] = []
+    while not gen.is_done() and len(out) < max_new_tokens:
+        gen.generate_next_token()
+        out.append(int(gen.get_next_tokens()[0]))
+    return out

@@ -1,0 +1,154 @@
+"""The ONNX Runtime :class:`Runner`: one CPU session serves prefill and decode by feeding each
+call's ``present.*`` back as the next call's ``past_key_values.*``. It loads any graph with
+that signature: ours (the fused onnxruntime-genai-style graph, which takes no ``position_ids``,
+or the torch.onnx one), or optimum-onnx's ``text-generation-with-past``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from export.runtime import Runner, RunnerError
+
+MANIFEST = "manifest.json"
+GRAPH_LEVELS = ("disable", "basic", "extended", "all")
+
+
+def onnx_files(path: Path) -> list[Path]:
+    """The .onnx file and the external-data files its initializers reference."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    locs = sorted({e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"})
+    return [Path(path)] + [Path(path).parent / loc for loc in locs]
+
+
+def _past_dims(name: str, shape: list, hint: dict) -> tuple:
+    """(kv_heads, head_dim) of one past input: from the graph, or where the graph leaves them
+    symbolic (the model builder names head_dim ``kv_cache_dim``) from ``hint``: the manifest's
+    ``kv_cache`` or the ``genai_config.json`` beside the model."""
+    heads, dim = shape[1], shape[3]
+    try:
+        layer = int(name.split(".")[1])
+        heads = heads if isinstance(heads, int) else hint["kv_heads"][layer]
+        dim = dim if isinstance(dim, int) else hint["head_dim"][layer]
+    except (KeyError, IndexError, ValueError, TypeError):
+        pass
+    return heads, dim
+
+
+def _layout_hint(path: Path, manifest: dict) -> dict:
+    if manifest.get("kv_cache"):
+        return manifest["kv_cache"]
+    genai = path.parent / "genai_config.json"
+    try:
+        dec = json.loads(genai.read_text())["model"]["decoder"]
+        n = int(dec["num_hidden_layers"])
+        return {"kv_heads": [int(dec["num_key_value_heads"])] * n, "head_dim": [int(dec["head_size"])] * n}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+class OnnxRuntimeRunner(Runner):
+    """An exported ``.onnx`` on ORT's CPU execution provider; holds ``present.*`` between calls
+    and feeds them back as ``past_key_values.*``, so prefill and decode share one session."""
+
+    runtime = "onnxruntime"
+
+    def __init__(self, path: Path, *, intra_op_threads: int | None = None, graph_optimization_level: str | None = None,
+                 max_seq_len: int | None | Literal["manifest"] = "manifest"):
+        import onnxruntime as ort
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise RunnerError(f"ONNX model not found: {self.path}")
+        manifest = {}
+        mpath = self.path.parent / MANIFEST
+        if mpath.is_file():
+            try:
+                manifest = json.loads(mpath.read_text())
+            except ValueError as exc:
+                raise RunnerError(f"corrupt manifest {mpath}: {exc}") from None
+        sess_defaults = manifest.get("session", {})
+        threads = intra_op_threads if intra_op_threads is not None else sess_defaults.get("intra_op_threads", 0)
+        self.threads = int(threads) or torch.get_num_threads()
+        level = graph_optimization_level or sess_defaults.get("graph_optimization_level", "all")
+        if level not in GRAPH_LEVELS:
+            raise RunnerError(f"graph_optimization_level must be one of {', '.join(GRAPH_LEVELS)}; got {level!r}")
+        self.graph_optimization_level = level
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }[level]
+        so.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(self.path), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise RunnerError(f"ONNX Runtime could not load {self.path}: {type(exc).__name__}: {exc}") from None
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        missing = {"input_ids", "attention_mask"} - set(inputs)
+        if missing:
+            raise RunnerError(f"{self.path} is not a KV-cache LM export: missing inputs {sorted(missing)}")
+        self._position_ids = "position_ids" in inputs
+        self._past_names = [n for n in inputs if n.startswith("past_key_values.")]
+        hint = _layout_hint(self.path, manifest)
+        dims = {n: _past_dims(n, inputs[n].shape, hint) for n in self._past_names}
+        if any(not isinstance(v, int) for hd in dims.values() for v in hd):
+            raise RunnerError(f"{self.path}: past_key_values heads/head_dim are not static in the graph and no "
+                              f"manifest beside it gives them")
+        self._empty = {n: np.zeros((1, dims[n][0], 0, dims[n][1]), dtype=np.float32) for n in self._past_names}
+        self._out_names = [o.name for o in self.session.get_outputs()]
+        self.max_seq_len = manifest.get("max_seq_len") if max_seq_len == "manifest" else max_seq_len
+        self.manifest = manifest
+        self.reset()
+
+    def reset(self) -> None:
+        self._past = dict(self._empty)
+        self._pos = 0
+
+    def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
+        ids = self.checked_ids(ids)
+        t = int(ids.numel())
+        feeds = {
+            "input_ids": ids.numpy().reshape(1, t),
+            "attention_mask": np.ones((1, self._pos + t), dtype=np.int64),
+            **self._past,
+        }
+        if self._position_ids:
+            feeds["position_ids"] = np.arange(self._pos, self._pos + t, dtype=np.int64).reshape(1, t)
+        try:
+            outs = self.session.run(self._out_names, feeds)
+        except Exception as exc:
+            raise RunnerError(f"ONNX Runtime failed running {self.path}: {type(exc).__name__}: {exc}") from None
+        named = dict(zip(self._out_names, outs))
+        self._past = {n: named["present." + n[len("past_key_values."):]] for n in self._past_names}
+        self._pos += t
+        logits = named["logits"][0]
+        return torch.from_numpy(np.ascontiguousarray(logits if all_logits else logits[-1:], dtype=np.float32))
+
+    def size_bytes(self) -> int:
+        """The .onnx plus every external-data file it references."""
+        return sum(f.stat().st_size for f in onnx_files(self.path))
+
+    def describe(self) -> dict:
+        return {
+            "runtime": self.runtime,
+            "model": str(self.path),
+            "providers": self.session.get_providers(),
+            "intra_op_threads": self.threads,
+            "inter_op_threads": 1,
+            "graph_optimization_level": self.graph_optimization_level,
+            "max_seq_len": self.max_seq_len,
+            "quantization": self.manifest.get("quantization", {}).get("mode", "unknown"),
+        }
+
+    def close(self) -> None:
+        self.session = None

@@ -1,0 +1,224 @@
+"""ExecuTorch's C++ text runner (TextLLMRunner) against our Python loop over the same .pte, the
+fallback when it cannot be used, and the Python runner's prefill/position limits.
+
+One tiny fp32 export (about 20 s) is shared by the module; SmolLM2's tokenizer, so the C++
+tokenizer reads a real byte-level BPE ``tokenizer.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from export.executorch.exporter import ExecuTorchExporter
+from export.executorch.llm_runner import LLMRunnerUnavailable, unavailable_reason
+from export.executorch.runner import ExecuTorchRunner
+from export.runtime import EagerRunner, RunnerError, greedy_generate
+from optimize.generate import generate_from_artifact
+
+# initializer_range 0.2 makes greedy decoding vary token to token (a broken cache cannot hide)
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=49152, max_position_embeddings=1024, tie_word_embeddings=True,
+            rope_theta=100000.0, initializer_range=0.2)
+MAX_SEQ_LEN = 48
+PROMPT = "The quick brown fox jumps over the lazy dog. def main(): return 1"
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from train.sources import RandomSource, load_model
+
+    return load_model(RandomSource(config=dict(TINY), seed=0))
+
+
+@pytest.fixture(scope="module")
+def pte(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("et_runner")
+    res = ExecuTorchExporter().export(tiny.model, tiny.tokenizer, out, {"max_seq_len": MAX_SEQ_LEN},
+                                      log=lambda *a: None)
+    return res.artifact
+
+
+@pytest.mark.slow
+def test_llm_runner_greedy_equals_python_loop_and_reports_stats(pte, tiny):
+    runner = ExecuTorchRunner(pte)
+    assert runner.describe()["llm_runner"] == {"usable": True}
+    ids = tiny.tokenizer(PROMPT)["input_ids"]
+    rep = runner.llm_runner_report(ids, tiny.tokenizer, greedy_tokens=20, decode_tokens=8, runs=2, warmup=1)
+    assert rep["used"], rep
+    g = rep["greedy"]
+    assert g["tokens"] == 20 and None not in g["llm_runner_ids"]
+    assert g["llm_runner_ids"] == g["python_loop_ids"] and g["match"]
+    # the Python loop itself equals eager greedy on these ids (so both equal the model)
+    assert g["python_loop_ids"] == greedy_generate(EagerRunner(tiny.model), ids, 20)
+    s = rep["stats"]
+    assert s["prompt_tokens"] == len(ids) and s["generated_tokens"] == 8 and s["runs"] == 2
+    assert s["prefill_ms"] >= 0 and s["ttft_ms"] >= s["prefill_ms"] - 1e-9
+
+
+@pytest.mark.slow
+def test_llm_runner_ids_cross_prefill_and_run_to_the_cache_limit(pte, tiny):
+    """A prompt near max_seq_len: the runner's prefill and decode up to the last position match the loop."""
+    runner = ExecuTorchRunner(pte)
+    llm = runner.llm_runner()
+    ids = tiny.tokenizer((PROMPT + " ") * 3)["input_ids"][:40]
+    text, num_bos = llm.prompt_for(tiny.tokenizer, ids)
+    gen = llm.generate(text, 100, num_bos=num_bos)
+    assert gen.prompt_ids == ids
+    # the runner stops with prompt + new = max_seq_len
+    assert len(gen.ids) == MAX_SEQ_LEN - len(ids)
+    assert gen.ids == greedy_generate(runner, ids, len(gen.ids))
+
+
+@pytest.mark.slow
+def test_optimize_run_uses_the_llm_runner_and_streams_the_loops_text(pte, capsys):
+    text = generate_from_artifact(pte, PROMPT, max_new_tokens=12, runner="llm", stream=None)
+    assert "[ExecuTorch TextLLMRunner] prompt" in capsys.readouterr().err
+    assert text and text == generate_from_artifact(pte, PROMPT, max_new_tokens=12, runner="python", stream=None)
+    # chat template: special tokens written out as text must come back as the same ids
+    chat = generate_from_artifact(pte, "What is the capital of France?", max_new_tokens=30, chat=True, runner="llm",
+                                  stream=None)
+    assert chat == generate_from_artifact(pte, "What is the capital of France?", max_new_tokens=30, chat=True,
+                                          runner="python", stream=None)
+
+
+@pytest.mark.slow
+def test_pipeline_verification_reports_the_llm_runner(pte, tiny):
+    """The export row's verification runs the .pte through the C++ runner too: its greedy tokens
+    against the Python loop's and its own stats land in the row's details beside the loop's figures."""
+    from optimize.config import load_config
+    from optimize.measure import RunState, measure_runner
+
+    cfg = load_config({"version": 1, "name": "t", "model": {"source": "random", "config": dict(TINY)}, "stages": [],
+                       "checks": {"accuracy": False, "generate_tokens": 6,
+                                  "latency": {"prompt_tokens": 16, "decode_tokens": 4, "runs": 1, "warmup": 0}}},
+                      check_model=False)
+    said = []
+    state = RunState(cfg=cfg, run_dir=None, profile=None, tokenizer=tiny.tokenizer, eval_windows=[], calibration=[],
+                      train_ids=torch.zeros(0, dtype=torch.long), prompt=torch.tensor(tiny.tokenizer(PROMPT)["input_ids"]),
+                      say=said.append)
+    details: dict = {}
+    metrics = measure_runner(state, tiny.model, ExecuTorchRunner(pte), details)
+    rep = details["llm_runner"]
+    assert rep["used"] and rep["greedy"]["match"] and rep["greedy"]["tokens"] == 6, rep
+    assert rep["stats"]["generated_tokens"] == 4 and metrics.decode_tok_s is not None
+    assert details["greedy"]["match"]  # the Python loop against eager, as before
+    assert any("ExecuTorch C++ runner: greedy matches the Python loop" in s for s in said), said
+
+
+@pytest.mark.slow
+def test_unsupported_tokenizer_falls_back_with_a_logged_reason(pte, tmp_path, caplog):
+    """The C++ tokenizer refuses a Lowercase normalizer (transformers accepts it): auto falls back and
+    says why; llm refuses with the same reason."""
+    for f in pte.parent.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    tj = json.loads((tmp_path / "tokenizer.json").read_text())
+    tj["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj))
+    with caplog.at_level(logging.WARNING, logger="optimize.generate"):
+        out = generate_from_artifact(tmp_path / pte.name, PROMPT, max_new_tokens=6, stream=None)
+    assert "instead of ExecuTorch's C++ LLM runner" in caplog.text and "Lowercase" in caplog.text
+    assert out == generate_from_artifact(tmp_path / pte.name, PROMPT, max_new_tokens=6, runner="python", stream=None)
+    with pytest.raises(RunnerError, match="C\\+\\+ LLM runner cannot run .*Lowercase"):
+        generate_from_artifact(tmp_path / pte.name, PROMPT, max_new_tokens=6, runner="llm", stream=None)
+    rep = ExecuTorchRunner(tmp_path / pte.name).llm_runner_report([1, 2, 3], None)
+    assert rep["used"] is False and "Lowercase" in rep["reason"]
+
+
+def test_unavailable_reasons():
+    assert "get_max_seq_len" in unavailable_reason(["forward"], 2, None)
+    assert "3 inputs" in unavailable_reason(["forward", "get_max_seq_len"], 3, None)
+    assert "no tokenizer file" in unavailable_reason(["forward", "get_max_seq_len"], 2, None)
+
+
+@pytest.mark.slow
+def test_prefill_of_max_seq_len_tokens_in_chunks_and_a_full_cache_is_a_clear_error(pte, tiny):
+    runner = ExecuTorchRunner(pte)
+    # from get_max_prefill_chunk and forward's input bound: the whole cache in one call (the custom-op
+    # program's sequence dim is bounded by max_seq_len itself, not max_seq_len - 1)
+    assert runner.max_chunk == MAX_SEQ_LEN
+    ids = torch.randint(0, TINY["vocab_size"], (MAX_SEQ_LEN,), generator=torch.Generator().manual_seed(3))
+    whole = runner.forward(ids)
+    assert runner.position == MAX_SEQ_LEN and whole.shape == (MAX_SEQ_LEN, TINY["vocab_size"])
+    ref = EagerRunner(tiny.model).forward(ids)
+    assert (whole - ref).abs().max() < 1e-4
+    with pytest.raises(RunnerError, match="KV cache is full: 48 cached \\+ 1 new tokens .*0 positions left"):
+        runner.forward(ids[:1])
+    # smaller chunks (as a program with a smaller get_max_prefill_chunk would need) give the same logits
+    runner.reset()
+    runner.max_chunk = 5
+    assert (runner.forward(ids) - whole).abs().max() < 1e-4
+    runner.reset()
+    runner.all_positions = False  # a program that returns only the last position: fed one token at a time
+    assert (runner.forward(ids[:7]) - whole[:7]).abs().max() < 1e-4
+    assert (runner.forward(ids[7:20], all_logits=False) - whole[19:20]).abs().max() < 1e-4
+
+
+def test_llm_runner_unavailable_is_a_runtime_error():
+    assert issubclass(LLMRunnerUnavailable, RuntimeError)
+
+
+def test_report_shows_delegation_and_the_llm_runner():
+    """The markdown report carries the export row's delegated fraction, the portable ops left and
+    the C++ runner's stats with its greedy verdict (or why it was not used)."""
+    from optimize.report import Report, StageRow, render_markdown
+
+    used = {"used": True, "stats": {"prefill_ms": 118.0, "prompt_tokens": 128, "decode_tok_s": 301.5},
+            "greedy": {"tokens": 16, "match": True, "diverged_at": None}}
+    rows = [StageRow(index=0, name="export:executorch", kind="export:executorch", runtime="executorch",
+                     details={"delegation": {"delegated_fraction": 0.8123, "delegated_subgraphs": 31,
+                                             "delegate_calls": 32,
+                                             "portable_ops": {"llama::custom_sdpa.out": 30}},
+                              "llm_runner": used}),
+            StageRow(index=0, name="export:other", kind="export:other", runtime="executorch",
+                     details={"llm_runner": {"used": False, "reason": "no tokenizer file"}})]
+    md = render_markdown(Report(name="t", rows=rows))
+    assert "## Export runtime" in md
+    assert ("- export:executorch: 81.2% of ops delegated (31 subgraphs, 32 delegate calls a forward); portable kernel "
+            "calls a forward: llama::custom_sdpa.out 30") in md
+    assert ("- export:executorch, ExecuTorch C++ runner (TextLLMRunner): prefill 118 ms for 128 tokens, decode 301.5 "
+            "tok/s; greedy 16 tokens equal the Python loop's") in md
+    assert "- export:other, ExecuTorch C++ runner not used: no tokenizer file" in md
+
+
+@pytest.mark.slow  # lowers a program of its own (about 15 s)
+def test_programs_run_at_one_torch_thread_and_eager_keeps_its_own(pte, tiny):
+    """The Python loop and the C++ runner call ExecuTorch with libtorch at one intra-op thread
+    (export/executorch/blas_threads.py: threaded MKL inside custom_sdpa fights XNNPACK), and restore the
+    caller's count afterwards."""
+    runner = ExecuTorchRunner(pte)
+    seen = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if name not in ("execute", "generate"):
+                return attr
+
+            def call(*a, **k):
+                seen.append((name, torch.get_num_threads()))
+                return attr(*a, **k)
+            return call
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner._method = Spy(runner._method)
+        runner.forward(torch.tensor([5, 6, 7]))
+        assert torch.get_num_threads() == 2
+        llm = runner.llm_runner()
+        llm._runner = Spy(llm._runner)
+        llm.generate(PROMPT, 2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert ("execute", 1) in seen and ("generate", 1) in seen and all(n == 1 for _, n in seen), seen
