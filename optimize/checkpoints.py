@@ -41,6 +41,8 @@ def prefix_hash(config_dump: dict, upto: int) -> str:
         "seed": config_dump.get("seed"),
         "stages": [_without(s, ("name", "gates")) for s in config_dump.get("stages", [])[: upto + 1]],
     }
+    if config_dump.get("compute_dtype") is not None:  # bf16 weights are another model; the device is not
+        key["compute_dtype"] = config_dump["compute_dtype"]
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -9,8 +9,9 @@
     optimize train recipe.yaml [key=value ...]
 
 Options and ``key=value`` overrides may come in any order, and ``-v`` before or after the
-command. Expected failures (a bad config, a missing file, a refused model, stage or export, a
+command. Refusals of bad input (a bad config, a missing file, a refused model, stage or export, a
 runner error) print one ``error:`` line and exit 2; ``-v`` shows the traceback and library logs.
+Anything else is a bug: it keeps its traceback and exits 1.
 """
 
 from __future__ import annotations
@@ -86,26 +87,14 @@ class _IntermixedParser(argparse.ArgumentParser):
             self._plain = False
 
 
-#: top-level packages of this project: their exception classes carry a message for users
-_OUR_PACKAGES = ("optimize", "train", "export", "targets")
-
-
 def _is_expected(exc: BaseException) -> bool:
-    """Errors that say what is wrong in words (bad config, missing file, refused model or export,
-    runner failure) get one line; anything else is a bug and keeps its traceback. Expected: an
-    exception class of this project, a missing file, or a ValueError/TypeError that our own
-    code raised on purpose (the innermost frame is ours)."""
-    if isinstance(exc, FileNotFoundError):
-        return True
-    if any(c.__module__.split(".")[0] in _OUR_PACKAGES and not c.__name__.startswith("_") for c in type(exc).__mro__):
-        return True
-    if isinstance(exc, (ValueError, TypeError)) and exc.__traceback__ is not None:
-        tb = exc.__traceback__
-        while tb.tb_next is not None:
-            tb = tb.tb_next
-        module = tb.tb_frame.f_globals.get("__name__", "")
-        return module.split(".")[0] in _OUR_PACKAGES
-    return False
+    """A refusal of bad input (one ``error:`` line, exit 2), not a bug (traceback, exit 1): the
+    project's own error classes, a missing file, or a ValueError/TypeError that an explicit
+    ``raise`` in our code raised; an implicit one (a failed unpack) or a library's is a bug.
+    One rule for every verb and ``python -m train``: :func:`train.errors.is_refusal`."""
+    from train.errors import is_refusal
+
+    return is_refusal(exc)
 
 
 def _say(msg: str) -> None:
@@ -121,7 +110,8 @@ def cmd_pipeline(args) -> int:
     report = run_pipeline(cfg, output_dir=args.output, say=_say)
     print(markdown_table(report))
     if report.ok:
-        print(f"\nok: all gates passed · report in {report.output_dir}")
+        status = "warn" if report.warned_gates() else "ok"
+        print(f"\n{status}: {report.verdict()} · report in {report.output_dir}")
     else:
         print(f"\nSTOPPED at {report.stopped_at} · last good model: {report.last_good_artifact} · report in {report.output_dir}")
     return report.exit_code
@@ -276,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from export import blas_threads
+    from export.executorch import blas_threads
 
     # before torch loads: MKL stays serial on ExecuTorch's workers, eager torch keeps its threads
     blas_threads.apply(blas_threads.serial_mkl_env())

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Sequence, Union
 import yaml
 from pydantic import Field, ValidationError, create_model
 
+from optimize.device import DeviceError, DeviceName, DtypeName, cuda_missing
 from optimize.errors import ConfigError, problems_from
 from optimize.gates_config import GatesConfig
 from optimize.overrides import OverrideError, apply_overrides
@@ -67,6 +68,15 @@ class PipelineConfigBase(Strict):
     )
     output_dir: Path | None = Field(None, description="where artifacts and the report go (default runs/<name>)")
     seed: int = Field(0, description="seed for anything random in stages")
+    device: DeviceName = Field(
+        "auto", description="where the stages and the eager checks run: cuda, cpu, or auto (cuda when "
+        "torch.cuda.is_available()); the exporter always gets the model back on the CPU"
+    )
+    compute_dtype: DtypeName | None = Field(
+        None, description="floating dtype of the model's weights while the stages and eager checks run "
+        "(float32, bfloat16, float16); null keeps the dtype model.dtype loads. The exporter gets the "
+        "model back in the loaded dtype"
+    )
     resume: bool = Field(True, description="reuse finished stages of an earlier run of the same config")
 
     stages: list[StageConfig] = Field(default_factory=list)
@@ -126,7 +136,9 @@ def load_config(
     ``source`` is a YAML path or an already-parsed dict. ``target`` (from ``--target``)
     replaces the config's target. With ``check_model`` the model's config is read (no
     weights) and every stage and the exporter say whether they can handle it
-    (:func:`model_problems`). Raises :class:`ConfigError` listing every problem.
+    (:func:`model_problems`). Raises :class:`ConfigError` listing every problem; with
+    ``check_files``, ``device: cuda`` on a machine without CUDA is refused first, in one line
+    (:class:`~optimize.device.DeviceError`, a ConfigError at ``device``).
     """
     label = str(source) if not isinstance(source, dict) else "<config>"
     data = read_yaml(source) if not isinstance(source, dict) else json.loads(json.dumps(source, default=str))
@@ -142,6 +154,9 @@ def load_config(
         cfg = _pipeline_model().model_validate(data)
     except ValidationError as exc:
         raise ConfigError(label, problems_from(exc, data)) from None
+    missing = cuda_missing(cfg.device) if check_files else None
+    if missing:  # this machine, not the file, is wrong: one line, before anything is read or run
+        raise DeviceError(label, missing)
     problems = semantic_problems(cfg, check_files=check_files)
     if not problems and check_model and check_files:
         problems = model_problems(cfg)

@@ -1,5 +1,9 @@
 """The pipeline runner: baseline → stages (each checked and gated) → export (verified in its
-runtime) → report. Stages only transform; everything else happens here.
+runtime) → report. Stages only transform; everything else happens here, where the model lives
+included: it is placed on the run's ``device`` in its ``compute_dtype`` before the baseline
+(:func:`optimize.device.place`), stays there through the stages and their checks, and goes back
+to the CPU, in the dtype it was loaded in, for the export. Every row records its wall time and
+peak memory (:mod:`optimize.resources`).
 
 ``run_pipeline`` never loses work: each finished stage is checkpointed (see
 :mod:`optimize.checkpoints`), a failed gate or a crash in a stage stops the run with the
@@ -23,11 +27,13 @@ from tqdm.auto import tqdm
 from optimize import checkpoints as ckpt
 from optimize.checks.accuracy import eval_windows
 from optimize.config import PipelineConfigBase, dump_config, export_options, load_config, model_problems
+from optimize.device import DTYPES, floating_dtype, place, resolve_device
 from optimize.errors import ConfigError
 from optimize.gates import evaluate_gates
 from optimize.gates_config import GatesConfig, MetricGoal
 from optimize.measure import RunState, measure_eager, measure_runner
 from optimize.report import Metrics, Report, StageRow, write_report
+from optimize.resources import PeakMemory
 from optimize.stage_api import StageContext, get_stage
 
 log = logging.getLogger("optimize")
@@ -72,6 +78,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     from train.sources import load_model
 
     torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg.device, cfg.name)  # device: cuda without CUDA is refused before anything loads
     profile = load_target(cfg.target) if cfg.target else None
     config_dump = dump_config(cfg)
 
@@ -82,6 +89,12 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     problems = model_problems(cfg, model.config)
     if problems:
         raise ConfigError(cfg.name, problems)
+    loaded_dtype = floating_dtype(model)  # what the exporter gets back
+    dtype = DTYPES[cfg.compute_dtype] if cfg.compute_dtype else loaded_dtype
+    model = place(model, device, dtype)
+    report.environment.update(_device_facts(device, dtype))
+    if device.type != "cpu" or dtype != loaded_dtype:
+        say(f"stages and checks run on {device} in {str(dtype).removeprefix('torch.')}")
 
     ids = tokenize(load_text(cfg.data.corpus), tokenizer)
     splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=cfg.data.calibration_tokens,
@@ -103,13 +116,17 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
 
     # ---- baseline
     t0 = time.perf_counter()
+    meter = PeakMemory(device).start()
     base_row = StageRow(index=-1, name="baseline", kind="baseline", details={"source": loaded.description})
     base_row.metrics = measure_eager(state, model, keep_baseline=True, timed=True)
     base_row.wall_s = time.perf_counter() - t0
+    base_row.resources = meter.stop()
     state.baseline_metrics = base_row.metrics
     report.rows.append(base_row)
     report.last_good_artifact = str(loaded.local_dir) if loaded.local_dir else None
-    baseline_model = copy.deepcopy(model)
+    # a teacher copy only for the stages that read one: a 1B model in 24 GiB cannot hold two
+    teachers = any(get_stage(s.kind).uses_baseline for s in cfg.stages)
+    baseline_model = copy.deepcopy(model) if teachers else None
 
     # ---- stages (resume from the longest finished prefix)
     digests = [ckpt.prefix_hash(config_dump, i) for i in range(len(cfg.stages))]
@@ -121,6 +138,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     if done:
         restores = _restores(cfg, done)
         model, _ = ckpt.load_stage(dirs[done - 1], restores)
+        model = place(model, device, dtype)
         for i in range(done):
             row = StageRow.model_validate(ckpt.load_stage_row(dirs[i]))
             row.status = "resumed" if row.status == "pass" else row.status
@@ -140,24 +158,28 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
         say(f"stage {label}: {spec.description}")
         row = StageRow(index=i, name=label, kind=stage_cfg.kind)
         t0 = time.perf_counter()
+        meter = PeakMemory(device).start()
         ctx = StageContext(tokenizer=tokenizer, calibration=state.calibration, train_ids=state.train_ids,
                            target=profile, work_dir=run_dir / "work" / f"{i:02d}-{stage_cfg.kind}", seed=cfg.seed,
-                           baseline_model=baseline_model, log=say)
+                           baseline_model=baseline_model, log=say, device=device, dtype=dtype)
         ctx.work_dir.mkdir(parents=True, exist_ok=True)
         try:
             torch.manual_seed(cfg.seed + i + 1)
             model = spec.fn(model, stage_cfg, ctx)
             if model is None:
                 raise RuntimeError(f"stage {stage_cfg.kind!r} returned None instead of the model")
+            model = place(model, device, dtype)  # a stage that built new modules may have left them elsewhere
             model.eval()
             state.quantized = state.quantized or stage_cfg.quant_scheme() is not None
             row.details = ctx.details
             row.metrics = measure_eager(state, model, timed=not state.quantized or state.profile is None
                                          or cfg.checks.latency.eager_quantized)
         except Exception as exc:  # a broken stage stops the run; earlier work is kept
+            row.resources = meter.stop()
             _record_error(report, row, exc, t0, say)
             bar.close()
             return
+        row.resources = meter.stop()
         if not _record_gated(report, row, cfg.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
             bar.close()
             return
@@ -169,7 +191,15 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
 
     if profile is not None:
         state.model_digest = ckpt.prefix_hash(config_dump, len(cfg.stages) - 1)
-        _export(state, model, report)
+        # exporters trace and lower on the CPU, in the dtype the model was loaded in
+        _export(state, place(model, torch.device("cpu"), loaded_dtype), report)
+
+
+def _device_facts(device: torch.device, dtype: torch.dtype) -> dict:
+    facts = {"device": str(device), "compute_dtype": str(dtype).removeprefix("torch.")}
+    if device.type == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(device)
+    return facts
 
 
 def _calib_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
@@ -228,6 +258,7 @@ def _export(state: RunState, model: torch.nn.Module, report: Report) -> None:
     out_dir = state.run_dir / "export" / profile.name
     label = f"export:{profile.name}"
     t0 = time.perf_counter()
+    cpu = torch.device("cpu")
     cache_file = export_cache.cache_path(state.run_dir, profile.name)
     key = export_cache.export_key(state.model_digest, profile, options)
     checks_key = _checks_key(cfg)
@@ -247,11 +278,14 @@ def _export(state: RunState, model: torch.nn.Module, report: Report) -> None:
         else:
             export_cache.invalidate(cache_file)
             state.say(f"exporting to {profile.name} ({profile.backend}) in {out_dir}")
+            meter = PeakMemory(cpu).start()
             result = exporter.export(model, state.tokenizer, out_dir, options, calibration=state.calibration,
                                      log=state.say)
+            exported = meter.stop()
             export_s = time.perf_counter() - t0
             rows = _verify_export(state, model, exporter, result, label)
             rows[0].wall_s += export_s  # the main row carries the export itself
+            rows[0].resources = exported.merged(rows[0].resources)  # the larger peak: export or verification
             rows[0].details["export_s"] = round(export_s, 2)
             export_cache.save(cache_file, key, checks_key, _result_files(result), _result_to_cache(result),
                               [r.model_dump(mode="json") for r in rows])
@@ -307,6 +341,7 @@ def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, la
     artifacts += [(f"{label}:{k}", p, dict(result.extra_details.get(k, {}))) for k, p in result.extra_artifacts.items()]
     for name, path, details in artifacts:
         t0 = time.perf_counter()
+        meter = PeakMemory(torch.device("cpu")).start()
         runner = exporter.load(path)
         row = StageRow(index=index, name=name, kind=label, runtime=runner.runtime, artifact=str(path), details=details)
         try:
@@ -314,6 +349,7 @@ def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, la
         finally:
             runner.close()
         row.wall_s = time.perf_counter() - t0
+        row.resources = meter.stop()
         rows.append(row)
     return rows
 

@@ -6,15 +6,18 @@ table people read; ``report.png`` plots accuracy against size and latency per st
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from optimize.resources import Resources
 from targets.atomic import atomic_path, atomic_write_json, atomic_write_text
 
-REPORT_SCHEMA_VERSION = "1.0"
+#: 1.1: rows carry ``resources`` (device and peak memory)
+REPORT_SCHEMA_VERSION = "1.1"
 
 
 class Metrics(BaseModel):
@@ -48,7 +51,8 @@ class StageRow(BaseModel):
     status: Literal["pass", "warn", "fail", "error", "resumed"] = "pass"
     metrics: Metrics = Field(default_factory=Metrics)
     gates: list[GateResult] = Field(default_factory=list)
-    wall_s: float = 0.0
+    wall_s: float = Field(0.0, description="seconds the row took: the stage (or export) and its checks")
+    resources: Resources | None = Field(None, description="device and peak memory over the same span as wall_s")
     artifact: str | None = None
     details: dict[str, Any] = Field(default_factory=dict)
     error: str | None = None
@@ -71,6 +75,21 @@ class Report(BaseModel):
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 1
+
+    def warned_gates(self) -> list[tuple[str, GateResult]]:
+        """(row name, gate) for every gate that failed without stopping the run (``on_fail: warn``)."""
+        return [(r.name, g) for r in self.rows for g in r.gates if not g.ok]
+
+    def verdict(self) -> str:
+        """One line on how the run ended: stopped, finished with gates that warned (each named with
+        its figure), or finished with every gate passed. Never "passed" when a gate failed."""
+        if not self.ok:
+            return f"STOPPED at {self.stopped_at}"
+        warned = self.warned_gates()
+        if warned:
+            return (f"finished with {len(warned)} gate(s) failed as warnings: "
+                    + "; ".join(f"{name}: {g.message}" for name, g in warned))
+        return "all gates passed"
 
     def row(self, name: str) -> StageRow:
         for r in self.rows:
@@ -157,10 +176,25 @@ def runtime_lines(report: Report) -> list[str]:
     return lines
 
 
+def resource_lines(report: Report) -> list[str]:
+    """One line per row that was measured: its time, device and peak memory."""
+    lines = []
+    for r in report.rows:
+        res = r.resources
+        if res is None:
+            continue
+        parts = [f"{r.wall_s:.1f} s on {res.device}"]
+        if res.peak_rss_mb is not None:
+            parts.append(f"peak RSS {res.peak_rss_mb:.0f} MiB (+{_fmt(res.peak_rss_delta_mb, '.0f')} over its start)")
+        if res.peak_cuda_mb is not None:
+            parts.append(f"CUDA peak {res.peak_cuda_mb:.0f} MiB allocated")
+        lines.append(f"- {r.name}: " + ", ".join(parts))
+    return lines
+
+
 def render_markdown(report: Report) -> str:
     out = [f"# Pipeline report: {report.name}", ""]
-    verdict = "all gates passed" if report.ok else f"STOPPED at {report.stopped_at}"
-    out += [f"Result: **{verdict}**" + (f" · target `{report.target}`" if report.target else ""), ""]
+    out += [f"Result: **{report.verdict()}**" + (f" · target `{report.target}`" if report.target else ""), ""]
     out += [markdown_table(report), ""]
     eval_tokens = next((r.metrics.eval_tokens for r in report.rows if r.metrics.eval_tokens), None)
     if report.data:
@@ -173,6 +207,9 @@ def render_markdown(report: Report) -> str:
     runtime = runtime_lines(report)
     if runtime:
         out += ["## Export runtime", *runtime, ""]
+    resources = resource_lines(report)
+    if resources:
+        out += ["## Time and memory per row", *resources, ""]
     gate_lines = [f"- {r.name}: {'ok' if g.ok else 'FAILED'} — {g.message}" for r in report.rows for g in r.gates]
     if gate_lines:
         out += ["## Gates", *gate_lines, ""]
@@ -185,8 +222,15 @@ def render_markdown(report: Report) -> str:
 
 
 def render_plot(report: Report, path: Path) -> Path | None:
-    """Perplexity against size and against decode speed, one point per row."""
-    import matplotlib
+    """Perplexity against size and against decode speed, one point per row.
+
+    None without matplotlib (a pinned dependency, but absent from a bare GPU image that runs only
+    the stages): the JSON and Markdown report of a finished run must not be lost to a missing plot."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning("report.png not drawn: matplotlib is not installed (pip install matplotlib)")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

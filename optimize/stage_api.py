@@ -1,7 +1,9 @@
 """The stage contract: a typed config plus a registered function ``(model, cfg, ctx) -> model``.
 
 Stages only transform the model. The pipeline runner owns the baseline, checks, gates,
-artifacts and the report. A stage that learns something worth reporting (chosen modules,
+artifacts, the report and where the model lives (``ctx.device``, ``ctx.dtype``; see
+:mod:`optimize.device`): a stage leaves the model where it found it and moves its own data
+to the model. A stage that learns something worth reporting (chosen modules,
 KV-cache bytes, training loss) puts JSON-serializable values into ``ctx.details``.
 
 Writing a stage::
@@ -75,10 +77,18 @@ class StageContext:
     target: Any | None  # targets.TargetProfile
     work_dir: Path
     seed: int = 0
-    #: the model as it entered the pipeline, for teachers; do not modify it
+    #: the model as it entered the pipeline, for teachers; do not modify it. Set only for stages
+    #: registered with ``uses_baseline=True`` (None otherwise: no second copy of a large model)
     baseline_model: torch.nn.Module | None = None
     details: dict[str, Any] = field(default_factory=dict)
     log: Callable[[str], None] = log.info
+    #: where the stage computes (the run's ``device``). The pipeline has put the model there;
+    #: a stage moves its calibration and training data to the model, and a stage that works
+    #: block by block may bring one block at a time here (None: wherever the model is)
+    device: torch.device | None = None
+    #: the floating dtype the pipeline keeps the weights in (the run's ``compute_dtype``), for
+    #: tensors a stage creates (None: the model's own)
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,9 @@ class StageSpec:
     #: re-applies the stage's structural change (no weights) to a freshly built model, so a
     #: checkpoint saved after this stage can be loaded on resume; None if only weights change
     restore: Callable[[torch.nn.Module, StageConfig], None] | None = None
+    #: reads ``ctx.baseline_model`` (a teacher): only then does the pipeline keep a copy of the
+    #: model as it entered, so a run without such a stage holds one model, not two
+    uses_baseline: bool = False
 
 
 _STAGES: dict[str, StageSpec] = {}
@@ -101,11 +114,13 @@ def register_stage(
     description: str | None = None,
     *,
     restore: Callable[[torch.nn.Module, StageConfig], None] | None = None,
+    uses_baseline: bool = False,
 ):
     """Register ``fn`` as the handler for stage ``kind`` (config class ``config_cls``).
 
     ``restore`` is needed only by stages that change module structure beyond what the
-    saved HF config rebuilds (quantized tensor subclasses, swapped module classes)."""
+    saved HF config rebuilds (quantized tensor subclasses, swapped module classes).
+    ``uses_baseline``: the stage reads ``ctx.baseline_model``; other stages get None there."""
 
     def deco(fn):
         if kind in _STAGES:
@@ -115,7 +130,7 @@ def register_stage(
             raise TypeError(f"{config_cls.__name__}.kind must default to {kind!r}")
         doc = (fn.__doc__ or "").strip()
         desc = description or (doc.splitlines()[0] if doc else "")
-        _STAGES[kind] = StageSpec(kind, config_cls, fn, desc, restore)
+        _STAGES[kind] = StageSpec(kind, config_cls, fn, desc, restore, uses_baseline)
         return fn
 
     return deco

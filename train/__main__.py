@@ -1,6 +1,8 @@
 """``python -m train recipe.yaml [key.path=value ...]`` (also under ``torchrun ... -m train``).
 
-Exit codes: 0 done, 2 bad recipe or input, 1 training failed.
+Exit codes: 0 done; 2 a refusal of bad input (a bad recipe, a missing file, a model or option
+this run cannot take), printed as one ``error:`` line; 1 anything else, with its traceback (a
+bug or a failure inside training must not read as the user's mistake; see ``train.errors``).
 """
 
 from __future__ import annotations
@@ -27,18 +29,17 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
     from train.api import configure_threads, run_training
-    from train.recipe import RecipeError, load_recipe
+    from train.errors import is_refusal
+    from train.recipe import load_recipe
 
     configure_threads()
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
         report = run_training(recipe)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:
+        if not is_refusal(exc):
+            raise  # a bug: the traceback and exit status 1
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(report.model_dump(mode="json"), indent=2))

@@ -37,6 +37,20 @@ class TrainReport(BaseModel):
     train_tokens: int = Field(description="tokens in the training split")
     tokens_seen: int = Field(description="tokens processed in this run, all ranks")
     tokens_per_s: float = Field(description="training throughput over this run, all ranks")
+    steady_tokens_per_s: float | None = Field(
+        None, description="throughput without the run's first step (compile and warm-up), all ranks; null for one step"
+    )
+    mfu: float | None = Field(
+        None,
+        description="model FLOPs utilization (0..1) of the steady part against the devices' dense bf16 peak; null "
+        "where the peak is unknown (CPU, an unlisted GPU without train.logging.peak_tflops)",
+    )
+    flops_per_token: float | None = Field(
+        None, description="model FLOPs per trained token at data.seq_len (forward + backward; see train/flops.py)"
+    )
+    device_name: str = Field("", description="the device trained on (CUDA device name, or cpu)")
+    peak_tflops: float | None = Field(None, description="dense bf16 peak TFLOP/s per device that MFU is measured against")
+    compiled_blocks: int = Field(0, description="transformer blocks run through torch.compile (train.compile)")
     peak_mem_mib: float = Field(description="peak memory per rank (CPU: peak RSS; CUDA: max allocated)")
     world_size: int = Field(description="number of ranks")
     micro_batch_size: int = Field(description="micro-batch at the end (smaller than configured after an OOM)")
@@ -87,6 +101,12 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
             train_tokens=int(ids.numel()),
             tokens_seen=result.tokens,
             tokens_per_s=result.tokens_per_s,
+            steady_tokens_per_s=result.steady_tokens_per_s,
+            mfu=result.mfu,
+            flops_per_token=result.flops_per_token,
+            device_name=result.device_name,
+            peak_tflops=result.peak_tflops,
+            compiled_blocks=result.compiled_blocks,
             peak_mem_mib=result.peak_mem_mib,
             world_size=result.world_size,
             micro_batch_size=result.micro_batch_size,

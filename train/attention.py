@@ -70,16 +70,29 @@ def sdpa_choice(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=N
     return _CHOICE_NAMES.get(idx, "none")
 
 
-def usable_sdpa_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool) -> list[str]:
-    """SDPA kernels that can run attention with these properties on this device (probed, not assumed)."""
-    q = torch.zeros(1, 2, 16, head_dim, device=device, dtype=dtype)
+def usable_sdpa_kernels(device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool, heads: int = 2,
+                        kv_heads: int | None = None) -> list[str]:
+    """SDPA kernels that can run attention with these properties on this device (probed, not assumed).
+
+    The probe has the shapes transformers' SDPA integration passes: with grouped-query attention
+    (``kv_heads < heads``) and no mask, k/v keep their own heads and ``enable_gqa`` is set, which
+    the efficient kernel cannot run (a pinned ``efficient`` died at step 1 on an H200 with "No
+    available kernel"); with a mask, k/v are repeated to every query head first."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    kv_heads = kv_heads or heads
+    q = torch.zeros(1, heads, 16, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, kv_heads, 16, head_dim, device=device, dtype=dtype)
     mask = torch.ones(16, 16, dtype=torch.bool, device=device).tril() if masked else None
+    gqa = kv_heads != heads and use_gqa_in_sdpa(mask, kv, kv)
+    if kv_heads != heads and not gqa:
+        kv = kv.repeat_interleave(heads // kv_heads, dim=1)  # transformers' repeat_kv
     found = []
     for name in _KERNEL_ENUM:
         from torch.nn.attention import sdpa_kernel
 
         with sdpa_kernel([_sdpa_backend(name)]):
-            if sdpa_choice(q, q, q, mask, 0.0, mask is None) == name:
+            if sdpa_choice(q, kv, kv, mask, 0.0, mask is None, enable_gqa=gqa) == name:
                 found.append(name)
     return found
 
@@ -328,10 +341,14 @@ def configure_attention(
     if cfg.sdpa_kernel != "auto":
         if impl != "sdpa":
             raise AttentionError(f"attention.sdpa_kernel {cfg.sdpa_kernel} applies to backend sdpa, not {impl}")
-        head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
-        usable = usable_sdpa_kernels(device, compute_dtype, head_dim, masked=cfg.sliding_window is not None)
+        heads = hf.config.num_attention_heads
+        kv_heads = getattr(hf.config, "num_key_value_heads", None) or heads
+        head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // heads
+        usable = usable_sdpa_kernels(device, compute_dtype, head_dim, masked=cfg.sliding_window is not None,
+                                     heads=heads, kv_heads=kv_heads)
         if cfg.sdpa_kernel not in usable:
             what = f"{str(compute_dtype).removeprefix('torch.')}, head_dim {head_dim}"
+            what += f", {heads} query heads sharing {kv_heads} KV heads" if kv_heads != heads else ""
             what += ", with a mask" if cfg.sliding_window is not None else ""
             raise AttentionError(
                 f"attention.sdpa_kernel {cfg.sdpa_kernel} cannot run on {device.type} ({what}); "

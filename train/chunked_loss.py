@@ -119,28 +119,79 @@ def _ce_chunk(z: torch.Tensor, y: torch.Tensor, ignore_index: int, want_grad: bo
     return loss, g
 
 
+def _ce_chunk_logit_grad(h, w, b, y, inv_n, scale: float, cap: float | None, ignore_index: int, want_grad: bool):
+    """One chunk as a pure function, for ``torch.compile``: ``(summed CE, d mean CE / d (h @ w.T + b))``,
+    the gradient in ``w``'s dtype. Same math as ``_Head.logits`` + ``_ce_chunk`` + ``_Head.back``,
+    written without in-place ops so Inductor fuses logsumexp, softmax, the target subtraction, the
+    scaling and the cast into one pass over ``[chunk, vocab]`` (eager makes several, in fp32)."""
+    z = (h @ w.t()).float()
+    if b is not None:
+        z = z + b.float()
+    if scale != 1.0:
+        z = z * scale
+    t = None
+    if cap:
+        t = torch.tanh(z / cap)
+        z = t * cap
+    valid = y != ignore_index
+    yc = torch.where(valid, y, 0)
+    lse = torch.logsumexp(z, dim=-1)
+    loss = ((lse - z.gather(1, yc[:, None]).squeeze(1)) * valid).sum()
+    if not want_grad:
+        return loss, None
+    target = torch.arange(z.shape[-1], device=z.device)[None, :] == yc[:, None]
+    g = (torch.exp(z - lse[:, None]) - target.to(z.dtype)) * (valid.to(z.dtype) * inv_n)[:, None]
+    if t is not None:
+        g = g * (1 - t * t)
+    if scale != 1.0:
+        g = g * scale
+    return loss, g.to(w.dtype)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled_chunk_fn() -> Callable:
+    """The compiled per-chunk function, built on first use (no compile work at import)."""
+    fn = _COMPILED.get("ce")
+    if fn is None:
+        fn = _COMPILED["ce"] = torch.compile(_ce_chunk_logit_grad)
+    return fn
+
+
 class _ChunkedCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, head: LMHead, dtype, chunk, ignore_index, need):
+    def forward(ctx, hidden, weight, bias, labels, head: LMHead, dtype, chunk, ignore_index, need, compiled=False):
         n_valid = (labels != ignore_index).sum().clamp(min=1).float()
         grads = _Grads(hidden, weight, bias, need)
         hd = _Head(head, dtype)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        want = any(need)
         with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, hidden.shape[0], chunk):
-                sl = slice(s, s + chunk)
-                z, t = hd.logits(hidden[sl])
-                loss, g = _ce_chunk(z, labels[sl], ignore_index, any(need))
-                total += loss
-                if g is not None:
-                    grads.add(sl, hd.back(g.div_(n_valid), t), hidden[sl], hd)
+            if compiled:
+                fn, inv_n = _compiled_chunk_fn(), 1.0 / n_valid
+                for s in range(0, hidden.shape[0], chunk):
+                    sl = slice(s, s + chunk)
+                    hc = hidden[sl].to(dtype)
+                    loss, g = fn(hc, hd.w, hd.b, labels[sl], inv_n, hd.scale, hd.cap, ignore_index, want)
+                    total += loss
+                    if g is not None:
+                        grads.add(sl, g, hidden[sl], hd)
+            else:
+                for s in range(0, hidden.shape[0], chunk):
+                    sl = slice(s, s + chunk)
+                    z, t = hd.logits(hidden[sl])
+                    loss, g = _ce_chunk(z, labels[sl], ignore_index, want)
+                    total += loss
+                    if g is not None:
+                        grads.add(sl, hd.back(g.div_(n_valid), t), hidden[sl], hd)
         ctx.grads, ctx.dtypes = grads, (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total / n_valid
 
     @staticmethod
     def backward(ctx, grad_out):
         gh, gw, gb = ctx.grads.scaled(grad_out, ctx.dtypes)
-        return gh, gw, gb, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -150,13 +201,16 @@ def chunked_cross_entropy(
     *,
     chunk_size: int = 1024,
     ignore_index: int = -100,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``head(hidden)`` against ``labels``, ``chunk_size`` tokens at a time.
 
     ``hidden`` is ``[..., H]`` (final hidden states, after the last norm), ``labels`` the matching
     ``[...]`` ids (already shifted); ``head`` an :class:`LMHead` or a bare ``[V, H]`` weight.
     Equals ``F.cross_entropy(logits.float().flatten(0, -2), labels.flatten())``; the logits are
-    computed in fp32 per chunk (matmul in autocast's dtype when autocast is on).
+    computed in fp32 per chunk (matmul in autocast's dtype when autocast is on). ``compiled`` runs
+    each chunk through one ``torch.compile``d function (fused softmax gradient; the first call
+    compiles, and each new chunk shape may once more).
     """
     head = _as_head(head)
     if chunk_size < 1:
@@ -167,7 +221,7 @@ def chunked_cross_entropy(
         raise ValueError(f"{h.shape[0]} hidden positions but {y.shape[0]} labels")
     need = _needs(hidden, head.weight, head.bias)
     dtype = _compute_dtype(hidden, head.weight)
-    return _ChunkedCE.apply(h, head.weight, head.bias, y, head, dtype, chunk_size, ignore_index, need)
+    return _ChunkedCE.apply(h, head.weight, head.bias, y, head, dtype, chunk_size, ignore_index, need, compiled)
 
 
 class _ChunkedKL(torch.autograd.Function):
@@ -269,16 +323,22 @@ def chunked_kl_to_teacher(
     return _ChunkedKL.apply(h, s_head.weight, s_head.bias, th, s_head, t_head_nograd, y, opts, need)
 
 
-def chunked_lm_loss(chunk_size: int = 1024) -> Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]:
-    """A ``train.loop`` loss: mean next-token CE through :func:`chunked_cross_entropy`."""
+def chunked_lm_loss(
+    chunk_size: int = 1024, compiled: bool = False
+) -> Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]:
+    """A ``train.loop`` loss: mean next-token CE through :func:`chunked_cross_entropy` (``compiled``:
+    its per-chunk math through ``torch.compile``, for ``train.compile``)."""
 
     def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         labels = batch["labels"]
         return head_loss(
-            model, batch["input_ids"], lambda h, head: chunked_cross_entropy(h, head, labels, chunk_size=chunk_size)
+            model,
+            batch["input_ids"],
+            lambda h, head: chunked_cross_entropy(h, head, labels, chunk_size=chunk_size, compiled=compiled),
         )
 
     loss_fn.chunk_size = chunk_size  # type: ignore[attr-defined]
+    loss_fn.compiled = compiled  # type: ignore[attr-defined]
     return loss_fn
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from targets.config_base import Strict
 from train.sources import ModelSource
@@ -109,6 +109,13 @@ class LoggingConfig(Strict):
     progress_bar: bool = Field(True, description="show a tqdm bar on rank 0")
     csv: bool = Field(True, description="append metrics to output_dir/metrics.csv")
     tensorboard: bool = Field(False, description="also write TensorBoard events (skipped with a warning if not installed)")
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="dense bf16 peak of one device in TFLOP/s, the denominator of MFU; null looks it up by CUDA "
+        "device name (H100/H200 SXM 989, A100 312, ...; see train/flops.py) and leaves MFU null on CPU or an "
+        "unknown device",
+    )
 
 
 class BatchConfig(Strict):
@@ -179,6 +186,19 @@ class LossConfig(Strict):
     chunk_size: int = Field(1024, ge=16, description="tokens per chunk (the live logits are chunk_size x vocab fp32)")
 
 
+class CompileConfig(Strict):
+    """``torch.compile`` at training time; see ``train/compile.py``."""
+
+    enabled: bool = Field(
+        False, description="compile each transformer block in place (torchtitan's per-block torch.compile)"
+    )
+    loss: bool = Field(True, description="also compile the default loss (the chunked cross-entropy's per-chunk math)")
+    mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default",
+        description="torch.compile mode; CUDA-graph modes are left out (they clash with FSDP2 and changing lengths)",
+    )
+
+
 class CurriculumStage(Strict):
     until_step: int = Field(ge=1, description="use this length up to and including this optimizer step")
     seq_len: int = Field(ge=8, description="tokens per packed window during this stage")
@@ -203,6 +223,11 @@ class LoopConfig(Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metrics output")
     attention: AttentionConfig = Field(default_factory=AttentionConfig, description="attention kernel and pattern")
     loss: LossConfig = Field(default_factory=LossConfig, description="the default next-token loss")
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,
+        description="torch.compile per transformer block and of the loss; `compile: true` is short for "
+        "`compile: {enabled: true}`",
+    )
     curriculum: list[CurriculumStage] = Field(
         default_factory=list,
         description="sequence-length curriculum: stages of increasing length (each until_step, seq_len); "
@@ -212,6 +237,15 @@ class LoopConfig(Strict):
     pin_memory: bool = Field(False, description="pin host batches (copied from data.pin_memory by recipes)")
     prefetch_factor: int | None = Field(None, ge=1, description="per-worker prefetch (copied from data by recipes)")
     data_seed: int = Field(0, description="shuffle seed (copied from data.seed by recipes)")
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_shorthand(cls, value):
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if isinstance(value, (dict, CompileConfig)):
+            return value
+        raise ValueError(f"compile takes true, false or a mapping with enabled, loss and mode; got {value!r}")
 
     @model_validator(mode="after")
     def _consistent(self) -> "LoopConfig":

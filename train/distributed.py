@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from train.config import DistributedConfig
+from train.errors import TrainInputError
 from train.memory import transformer_blocks
 
 log = logging.getLogger("optimize.train")
@@ -43,7 +44,7 @@ class DistContext:
 def pick_device(requested: str) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("device: cuda was requested but CUDA is not available")
+            raise TrainInputError("device: cuda was requested but CUDA is not available")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -55,7 +56,7 @@ def init_distributed(requested_device: str, cfg: DistributedConfig) -> DistConte
     if world <= 1 and not cfg.fsdp:
         return DistContext(device=device)
     if "RANK" not in os.environ:
-        raise RuntimeError(
+        raise TrainInputError(
             "distributed.fsdp needs a launcher: run with `torchrun --nproc_per_node N -m train recipe.yaml`"
         )
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,6 +87,35 @@ def teardown(ctx: DistContext) -> None:
             log.warning("destroy_process_group failed: %s", exc)
 
 
+def _has_all_gather_extension(p: torch.Tensor) -> bool:
+    """A tensor subclass that all-gathers its own inner tensors (torchao's NF4Tensor)."""
+    return hasattr(p, "fsdp_pre_all_gather") and hasattr(p, "fsdp_post_all_gather")
+
+
+def _single_rank_ignored(model: nn.Module, ctx: DistContext) -> set[nn.Parameter]:
+    """Parameters FSDP2 must leave alone on a one-rank mesh, moved to the compute device.
+
+    Why: FSDP2's world-size-1 fast path (``FSDPParamGroup.wait_for_unshard``) copies only the
+    first all-gather input into a single output and then calls the subclass's
+    ``fsdp_post_all_gather`` with it, but NF4Tensor all-gathers three inner tensors (scalers,
+    factors, 4-bit data) and fails with "not enough values to unpack (expected 3, got 1)". On one
+    rank there is nothing to shard, so these frozen parameters stay whole and unmanaged: the same
+    bytes, the same NF4 matmul, the same (absent) gradient.
+    """
+    if ctx.world != 1:
+        return set()
+    ignored: set[nn.Parameter] = set()
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not _has_all_gather_extension(p) or p.requires_grad:
+                continue
+            if p.device != ctx.device:  # distributed.cpu_offload leaves the model on the host
+                p = nn.Parameter(p.to(ctx.device), requires_grad=False)
+                setattr(module, name, p)
+            ignored.add(p)
+    return ignored
+
+
 def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext) -> nn.Module:
     """fully_shard every transformer block, then the root, with the configured policies."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -93,6 +123,9 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext) -> nn
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=ctx.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
+    ignored = _single_rank_ignored(model, ctx)
+    if ignored:
+        kwargs["ignored_params"] = ignored
     wrapper_of = {
         id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, "_checkpoint_wrapped_module")
     }
@@ -100,17 +133,11 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext) -> nn
         fully_shard(wrapper_of.get(id(block), block), **kwargs)
     fully_shard(model, **kwargs)
     quantized = sum(type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" for p in model.parameters())
-    if quantized:
+    if ignored:
+        log.info("FSDP2 on one rank: %d NF4 parameters kept whole (nothing to shard)", len(ignored))
+    elif quantized:
         log.info("FSDP2: %d parameters sharded per-parameter as NF4 (4-bit all-gather)", quantized)
     return model
-
-
-def all_reduce_mean(value: float, ctx: DistContext) -> float:
-    if ctx.world <= 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t)
-    return float(t.item()) / ctx.world
 
 
 def all_reduce_max(value: float, ctx: DistContext) -> float:

@@ -7,6 +7,12 @@ Everything else (precision, memory savers, LoRA, FSDP2, checkpoints, resume, exp
 attention kernel and pattern, the chunked loss, the length curriculum) comes from the typed
 :class:`~train.config.LoopConfig`. Without ``loss_fn`` the loss is next-token cross-entropy,
 chunked through the output head (``train.chunked_loss``) unless ``loss.chunked`` is off.
+
+The step never waits for the device: each micro-batch's loss is summed on the device, the
+gradient norm stays a tensor, and both are read back (one sync, and under FSDP one all-reduce)
+only when a logging interval closes (``logging.every_n_steps``), before a checkpoint, and after
+the run's first step (so that step's compile and warm-up stay out of ``steady_tokens_per_s``).
+fp16's GradScaler is the exception: its inf check reads the device every step.
 """
 
 from __future__ import annotations
@@ -26,15 +32,17 @@ from train import checkpoint as ckpt
 from train.attention import AttentionSetup, KernelRecorder, configure_attention, restore_attention
 from train.batching import MicroBatchPlan, is_oom
 from train.chunked_loss import check_head_matches_logits, chunked_lm_loss
+from train.compile import compile_blocks, eager, uncompile
 from train.config import LoopConfig
 from train.curriculum import LengthSchedule, StagedBatches
 from train.data import PackedWindows, split_micro
-from train.distributed import DistContext, all_reduce_max, all_reduce_mean, apply_fsdp, init_distributed, teardown
+from train.distributed import DistContext, all_reduce_max, apply_fsdp, init_distributed, teardown
 from train.export_hf import export_pretrained
+from train.flops import DevicePeak, ModelFlops, device_peak, mfu, model_flops
 from train.lora import apply_lora
 from train.memory import activation_offload_context, apply_activation_checkpointing, peak_memory_mib, reset_peak_memory
 from train.metrics import MetricsLogger
-from train.optim import build_optimizer, build_scheduler
+from train.optim import build_optimizer, build_scheduler, clip_offloaded_grads
 
 log = logging.getLogger("optimize.train")
 
@@ -68,6 +76,12 @@ class TrainResult:
     attention: dict = field(default_factory=dict)  # observed kernel and the pattern (AttentionSetup.report)
     loss: str = ""
     seq_lens: dict[int, int] = field(default_factory=dict)  # step -> window length (the curriculum)
+    steady_tokens_per_s: float | None = None  # without the run's first step (compile, warm-up)
+    mfu: float | None = None  # of the steady part (all steps if there is one); None without a known peak
+    flops_per_token: float | None = None  # model FLOPs per trained token at the full window length
+    device_name: str = ""
+    peak_tflops: float | None = None  # per device, what MFU is measured against
+    compiled_blocks: int = 0
 
 
 def _autocast(mode: str, device: torch.device, fsdp: bool):
@@ -76,8 +90,15 @@ def _autocast(mode: str, device: torch.device, fsdp: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16 if mode == "bf16" else torch.float16)
 
 
+def step_precision(cfg: LoopConfig, device: torch.device):
+    """The autocast every forward of a training step runs under (a no-op for fp32 and under FSDP)."""
+    return _autocast(cfg.precision.mode, device, cfg.distributed.fsdp)
+
+
 def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
-    """fp32 master weights, LoRA/QLoRA, activation checkpointing, then FSDP2 or device placement."""
+    """fp32 master weights, LoRA/QLoRA, activation checkpointing, per-block compile, then FSDP2 or
+    device placement (torchtitan's order: checkpoint wrappers are compiled with their block, and
+    FSDP2 shards the compiled blocks)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False  # a KV cache mutated inside a checkpointed block breaks recompute
@@ -88,6 +109,9 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
     wrapped = apply_activation_checkpointing(model, cfg.memory)
     if wrapped:
         log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)
+    compiled = compile_blocks(model, cfg.compile)
+    if compiled:
+        log.info("torch.compile (%s) on %d blocks; the first step compiles", cfg.compile.mode, compiled)
     if cfg.distributed.fsdp:
         if not cfg.distributed.cpu_offload:
             model = model.to(ctx.device)
@@ -139,10 +163,110 @@ def train(
             teardown(ctx)
 
 
+def _compiled_causal_lm_loss() -> LossFn:
+    """:func:`causal_lm_loss` with its fp32 cross-entropy through ``torch.compile`` (full-logits path)."""
+
+    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    ce = torch.compile(cross_entropy)
+
+    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = model(input_ids=batch["input_ids"], use_cache=False)
+        return ce(out.logits if hasattr(out, "logits") else out, batch["labels"])
+
+    return loss_fn
+
+
 def _default_loss(cfg: LoopConfig) -> tuple[LossFn, str]:
+    compiled = cfg.compile.enabled and cfg.compile.loss
+    suffix = ", compiled" if compiled else ""
     if cfg.loss.chunked:
-        return chunked_lm_loss(cfg.loss.chunk_size), f"cross-entropy, chunked ({cfg.loss.chunk_size} tokens per chunk)"
-    return causal_lm_loss, "cross-entropy, full fp32 logits"
+        name = f"cross-entropy, chunked ({cfg.loss.chunk_size} tokens per chunk){suffix}"
+        return chunked_lm_loss(cfg.loss.chunk_size, compiled=compiled), name
+    return (_compiled_causal_lm_loss() if compiled else causal_lm_loss), f"cross-entropy, full fp32 logits{suffix}"
+
+
+class _Throughput:
+    """Tokens, model FLOPs and wall time, counted per read-back interval, for the whole run and for its
+    steady part (every interval after the one that closes the run's first step)."""
+
+    def __init__(self, flops: ModelFlops | None, peak: DevicePeak, world: int):
+        self.flops, self.peak, self.world = flops, peak, world
+        self.tokens = self.time = self.model_flops = 0.0
+        self.steady_tokens = self.steady_time = self.steady_flops = 0.0
+        self._t0, self._by_len = time.perf_counter(), {}
+
+    def count(self, seq_len: int, tokens: int) -> None:
+        self._by_len[seq_len] = self._by_len.get(seq_len, 0) + tokens
+
+    def restart(self) -> None:
+        """Start the next interval now (time spent since, e.g. writing a checkpoint, is not training)."""
+        self._t0 = time.perf_counter()
+
+    def close(self, steady: bool) -> tuple[float, float | None]:
+        """End the interval (after the device sync that read its losses back); its tokens/s and MFU."""
+        seconds = time.perf_counter() - self._t0
+        tokens = sum(self._by_len.values())
+        flops = sum(n * self.flops.per_token(t) for t, n in self._by_len.items()) if self.flops else 0.0
+        self.tokens += tokens
+        self.time += seconds
+        self.model_flops += flops
+        if steady:
+            self.steady_tokens += tokens
+            self.steady_time += seconds
+            self.steady_flops += flops
+        self._by_len = {}
+        self.restart()
+        return tokens / seconds if seconds else 0.0, self._mfu(flops, seconds)
+
+    def _mfu(self, flops: float, seconds: float) -> float | None:
+        return mfu(flops, seconds, self.peak.tflops, self.world) if self.flops else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time if self.time else 0.0
+
+    @property
+    def steady_tokens_per_s(self) -> float | None:
+        return self.steady_tokens / self.steady_time if self.steady_time else None
+
+    @property
+    def run_mfu(self) -> float | None:
+        if self.steady_time:
+            return self._mfu(self.steady_flops, self.steady_time)
+        return self._mfu(self.model_flops, self.time)
+
+
+class _PendingSteps:
+    """Steps whose loss and gradient norm still live on the device; :meth:`read` fetches them all
+    with one copy (and, under FSDP, one all-reduce of the per-rank losses)."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+        self.rows: list[dict] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, row: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.rows.append(row)
+        self.values.append(torch.stack([loss.float().reshape(()), grad_norm.float().reshape(()).to(loss.device)]))
+
+    def read(self) -> list[dict]:
+        if not self.rows:
+            return []
+        values = torch.stack(self.values)  # [steps, (loss, grad_norm)]
+        if self.ctx.world > 1:
+            import torch.distributed as dist
+
+            losses = values[:, 0].to(self.ctx.device, torch.float64)
+            dist.all_reduce(losses)
+            values = torch.stack([losses / self.ctx.world, values[:, 1].to(self.ctx.device, torch.float64)], 1)
+        host = values.tolist()  # the one device sync of the interval
+        rows = self.rows
+        for row, (loss, norm) in zip(rows, host):
+            row["loss"], row["grad_norm"] = loss, norm
+        self.rows, self.values = [], []
+        return rows
 
 
 def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokenizer, ctx: DistContext) -> TrainResult:
@@ -161,6 +285,7 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         if len(schedule) > 1:
             log.info("length curriculum: %s", schedule.describe())
     model = prepare_model(model, cfg, ctx)
+    compiled_blocks = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     reset_peak_memory(ctx.device)  # measure training, not the one-off load/quantize transient
     fsdp = cfg.distributed.fsdp
     params = [p for p in model.parameters() if p.requires_grad]
@@ -188,10 +313,15 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
             log.info("resumed from %s at step %d", latest, start_step)
 
     metrics = MetricsLogger(cfg.logging, out_dir, cfg.max_steps, start_step, ctx.is_main)
+    flops = model_flops(model, _attention_span(cfg))
+    peak = device_peak(ctx.device, cfg.logging.peak_tflops)
+    if ctx.is_main and peak.tflops is None:
+        log.info("MFU: no bf16 peak known for %s (set train.logging.peak_tflops); reported as null", peak.device_name)
     losses: dict[int, float] = {}
     seq_lens: dict[int, int] = {}
     saved: list[Path] = []
-    tokens_total, train_time = 0, 0.0
+    pending = _PendingSteps(ctx)
+    rate = _Throughput(flops, peak, ctx.world)
 
     def trainer_state() -> dict:
         return {
@@ -201,46 +331,52 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
             "scaler": scaler.state_dict() if scaler is not None else None,
         }
 
+    def read_back(steady: bool) -> None:
+        """Close the interval: one sync, then the rows of its steps go to the log."""
+        rows = pending.read()
+        tok_s, interval_mfu = rate.close(steady)
+        mem = peak_memory_mib(ctx.device)
+        for row in rows:
+            row.update(tokens_per_s=tok_s, mfu=interval_mfu, peak_mem_mib=mem)
+            losses[row["step"]] = row["loss"]
+            metrics.log(row)
+
+    compiled = cfg.compile.enabled
+    rate.restart()  # the clock starts with the first step
     try:
         for step in range(start_step, cfg.max_steps):
-            t0 = time.perf_counter()
             batch = staged.next_batch(step)
             batch = {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
             if step == start_step and check_head:
-                with attn.context():
+                # the step's autocast and SDPA kernel: a pinned kernel has no fp32 path on CUDA
+                with attn.context(), step_precision(cfg, ctx.device), eager(compiled):
                     check_head_matches_logits(model, batch["input_ids"])
             record = staged.seq_len not in attn.by_length  # first step at this length: watch the kernels
-            loss = _optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record)
+            out = _optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record)
             if record and ctx.is_main:
                 log.info("%s", attn.describe(staged.seq_len))
-            grad_norm = loss.pop("grad_norm")
             scheduler.step()
-            step_loss = all_reduce_mean(loss["loss"], ctx)
-            dt = time.perf_counter() - t0
-            train_time += dt
-            step_tokens = batch["input_ids"].numel() * ctx.world
-            tokens_total += step_tokens
-            losses[step + 1] = step_loss
-            seq_lens[step + 1] = staged.seq_len
+            done = step + 1
+            rate.count(staged.seq_len, batch["input_ids"].numel() * ctx.world)
+            seq_lens[done] = staged.seq_len
             row = dict(
-                step=step + 1,
-                loss=step_loss,
+                step=done,
                 lr=scheduler.get_last_lr()[0],
-                grad_norm=grad_norm,
-                tokens_per_s=step_tokens / dt,
-                peak_mem_mib=peak_memory_mib(ctx.device),
                 micro_batch_size=plan.micro,
                 grad_accum_steps=plan.accum,
                 seq_len=staged.seq_len,
             )
-            metrics.log(row)
-            done = step + 1
-            if cfg.checkpoint.every_n_steps and done % cfg.checkpoint.every_n_steps == 0 and done < cfg.max_steps:
+            pending.add(row, out["loss"], out["grad_norm"])
+            save_now = cfg.checkpoint.every_n_steps and done % cfg.checkpoint.every_n_steps == 0 and done < cfg.max_steps
+            if done == start_step + 1 or done % cfg.logging.every_n_steps == 0 or done == cfg.max_steps or save_now:
+                read_back(steady=done > start_step + 1)
+            if save_now:
                 saved.append(
                     ckpt.save_checkpoint(
                         ckpt_root, done, model, optimizer, trainer_state(), cfg.checkpoint.keep_last, cfg.lora.enabled
                     )
                 )
+                rate.restart()  # checkpoint writes are not training time
         if cfg.checkpoint.save_final and start_step < cfg.max_steps:
             saved.append(
                 ckpt.save_checkpoint(
@@ -251,20 +387,21 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         metrics.close()
         staged.close()  # stop loader workers promptly
         restore_attention(model, attn)  # the pattern was a training-time choice; export the model's own
+        uncompile(model)  # so is compilation: whoever gets the model next runs it eagerly
 
     exported = None
     if cfg.checkpoint.export_hf:
         exported = export_pretrained(model, tokenizer, out_dir / "hf", cfg.lora, sharded=fsdp, is_main=ctx.is_main)
-    peak = all_reduce_max(peak_memory_mib(ctx.device), ctx)
+    peak_mem = all_reduce_max(peak_memory_mib(ctx.device), ctx)
     return TrainResult(
         model=model,
         losses=losses,
         start_step=start_step,
         final_step=cfg.max_steps,
         resumed_from=resumed_from,
-        tokens=tokens_total,
-        tokens_per_s=tokens_total / train_time if train_time else 0.0,
-        peak_mem_mib=peak,
+        tokens=int(rate.tokens),
+        tokens_per_s=rate.tokens_per_s,
+        peak_mem_mib=peak_mem,
         micro_batch_size=plan.micro,
         grad_accum_steps=plan.accum,
         world_size=ctx.world,
@@ -275,14 +412,27 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         attention=attn.report(),
         loss=loss_name,
         seq_lens=seq_lens,
+        steady_tokens_per_s=rate.steady_tokens_per_s,
+        mfu=rate.run_mfu,
+        flops_per_token=flops.per_token(full_len) if flops else None,
+        device_name=peak.device_name,
+        peak_tflops=peak.tflops,
+        compiled_blocks=compiled_blocks,
     )
 
 
-def _forward(model, mb, loss_fn, attn: AttentionSetup, record: bool):
-    """The loss of one micro-batch; ``record`` watches it for the attention kernels that run."""
+def _attention_span(cfg: LoopConfig) -> int | None:
+    """Keys a query sees under a sliding window (plus the global tokens); None for full causal attention."""
+    window = cfg.attention.sliding_window
+    return None if window is None else window + cfg.attention.global_tokens
+
+
+def _forward(model, mb, loss_fn, attn: AttentionSetup, record: bool, compiled: bool):
+    """The loss of one micro-batch; ``record`` watches it for the attention kernels that run
+    (eagerly: compiled code would not show the mode its calls, and would trace once more for it)."""
     if not record:
         return loss_fn(model, mb)
-    with KernelRecorder() as rec:
+    with eager(compiled), KernelRecorder() as rec:
         loss = loss_fn(model, mb)
     attn.observe(mb["input_ids"].shape[1], rec.observed())
     return loss
@@ -293,23 +443,24 @@ def _optimizer_step(
 ) -> dict:
     """Accumulate gradients over micro-batches (retrying smaller on OOM if dynamic), clip, step.
 
+    Returns the step's loss and gradient norm as device tensors: nothing here waits for the device.
     The SDPA kernel choice covers backward too: activation checkpointing recomputes attention there."""
     total_tokens = batch["labels"].numel()
     while True:
         try:
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
             micros = split_micro(batch, plan.micro)
             for i, mb in enumerate(micros):
                 if fsdp:  # reduce-scatter gradients only on the last micro-batch
                     model.set_requires_gradient_sync(i == len(micros) - 1)
                 with attn.context():
-                    with _autocast(cfg.precision.mode, ctx.device, fsdp), activation_offload_context(
+                    with step_precision(cfg, ctx.device), activation_offload_context(
                         cfg.memory.activation_offload, ctx.device
                     ):
-                        loss = _forward(model, mb, loss_fn, attn, record and i == 0)
+                        loss = _forward(model, mb, loss_fn, attn, record and i == 0, cfg.compile.enabled)
                     weighted = loss * (mb["labels"].numel() / total_tokens)
                     (scaler.scale(weighted) if scaler is not None else weighted).backward()
-                loss_sum += float(weighted.detach())
+                loss_sum += weighted.detach().float()
             break
         except Exception as exc:
             if not (cfg.batch.dynamic and is_oom(exc)):
@@ -324,10 +475,11 @@ def _optimizer_step(
     norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    clip_offloaded_grads(optimizer, norm, cfg.grad_clip)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum, "grad_norm": float(norm)}
+    return {"loss": loss_sum, "grad_norm": norm.detach()}

@@ -1,4 +1,10 @@
-"""Step metrics to a tqdm bar, an appendable CSV and (only if installed) TensorBoard; rank 0 only."""
+"""Step metrics to a tqdm bar, an appendable CSV and (only if installed) TensorBoard; rank 0 only.
+
+Rows arrive in bursts: the loop keeps each step's loss and gradient norm on the device and reads
+them back once per logging interval (``logging.every_n_steps``), so ``tokens_per_s`` and ``mfu``
+of a row are the averages over the interval it closed. ``mfu`` is empty where the device's peak
+is unknown (see ``train/flops.py``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from train.config import LoggingConfig
 log = logging.getLogger("optimize.train")
 
 FIELDS = [
-    "step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib", "micro_batch_size", "grad_accum_steps", "seq_len"
+    "step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mib", "micro_batch_size", "grad_accum_steps",
+    "seq_len",
 ]
 
 
@@ -58,8 +65,9 @@ class MetricsLogger:
                 fh.flush()
                 os.fsync(fh.fileno())
         if self.tb is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"):
-                self.tb.add_scalar(f"train/{k}", row[k], row["step"])
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mib"):
+                if row.get(k) is not None:
+                    self.tb.add_scalar(f"train/{k}", row[k], row["step"])
 
     def close(self) -> None:
         if self.bar is not None:

@@ -71,19 +71,21 @@ def evaluate(
         logits = runner.forward(inputs, all_logits=True).float()
         if logits.shape[0] != targets.numel():
             raise RuntimeError(f"{runner.runtime} returned {logits.shape[0]} positions for {targets.numel()} inputs")
+        device = logits.device  # the scores are computed where the runner left its logits (a GPU's eager model)
+        targets = targets.to(device)
         logp = F.log_softmax(logits, dim=-1)
         total_nll += float(-logp.gather(1, targets.view(-1, 1)).sum())
         total += targets.numel()
         top = logits.argmax(-1)
         correct += int((top == targets).sum())
         if baseline is not None:
-            base_lp = baseline.logprobs[i].float()
-            agree += int((top == baseline.top1[i]).sum())
+            base_lp = baseline.logprobs[i].to(device).float()
+            agree += int((top == baseline.top1[i].to(device)).sum())
             # KL(baseline || runner), per position, in nats
             kl_sum += float((base_lp.exp() * (base_lp - logp)).sum())
-        if keep is not None:
-            keep.logprobs.append(logp.to(torch.float16))
-            keep.top1.append(top)
+        if keep is not None:  # on the CPU: the exported artifacts are scored against it there
+            keep.logprobs.append(logp.to(torch.float16).cpu())
+            keep.top1.append(top.cpu())
     mean_nll = total_nll / max(total, 1)
     return AccuracyResult(
         perplexity=math.exp(mean_nll),

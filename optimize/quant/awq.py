@@ -74,7 +74,7 @@ def search_group(
         if err < best[2]:
             best = (alpha, s, err)
     if err_rtn != err_rtn:  # grid without 0: measure RTN for the report
-        err_rtn = _group_error(x, weights, torch.ones(x.shape[1]), scheme, refs)
+        err_rtn = _group_error(x, weights, x.new_ones(x.shape[1]), scheme, refs)
     return best[0], best[1], err_rtn, best[2]
 
 

@@ -14,6 +14,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from optimize.device import to_device
+
 
 class _NotRecordable(Exception):
     """A block was called without a hidden-states tensor first."""
@@ -113,6 +115,13 @@ class BlockChain:
                 return
         self.first_inputs = []
 
+    def to(self, device: torch.device) -> "BlockChain":
+        """Carry the hidden states and every block's recorded arguments on ``device``, where the
+        blocks will run (one at a time, see :func:`optimize.device.on_device`)."""
+        self.hidden = [h.to(device) for h in self.hidden]
+        self.calls = [[to_device(call, device) for call in calls] for calls in self.calls]
+        return self  # the tails stay with the model: replay hands them to its head
+
     @torch.no_grad()
     def run_block(self, i: int) -> None:
         """Run block ``i`` on every window's current input (its Linears' hooks see the inputs)."""
@@ -145,7 +154,8 @@ class BlockChain:
         def stand_in(i: int):
             def forward(*args, **kwargs):
                 hidden = args[0] if args else kwargs["hidden_states"]
-                return shaped(i, self.hidden[j] if i == last else hidden)
+                # the carried states may sit on the blocks' compute device; the head runs with the model
+                return shaped(i, self.hidden[j].to(hidden.device) if i == last else hidden)
             return forward
 
         saved = [mod.__dict__.get("forward") for mod in self.mods]  # a wrapper's own forward, if any

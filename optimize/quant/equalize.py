@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from optimize.device import model_device
 from optimize.quant.fold_layouts import FoldRefused, layout_for, norm_offset
 from train.model_parts import decoder_blocks
 
@@ -209,18 +210,20 @@ def collect_stats(
     stats: dict[str, ActStats] = {}
     per_window = -(-keep_tokens // len(windows)) if keep_tokens else 0
     handles = []
+    device = model_device(model)
 
     def hook(key: str):
         def fn(_mod, args):
             x = args[0].detach().float().reshape(-1, args[0].shape[-1])
             st = stats.get(key)
-            if st is None:
-                st = stats[key] = ActStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1]))
+            if st is None:  # statistics stay where the activations are (the model's device)
+                st = stats[key] = ActStats(x.new_zeros(x.shape[1]), x.new_zeros(x.shape[1]))
             st.absmax = torch.maximum(st.absmax, x.abs().amax(0))
             st.absmean_sum += x.abs().sum(0)
             st.tokens += x.shape[0]
             if per_window:
-                idx = torch.linspace(0, x.shape[0] - 1, min(per_window, x.shape[0])).long()
+                # the rows picked on the CPU, so every device samples the same ones
+                idx = torch.linspace(0, x.shape[0] - 1, min(per_window, x.shape[0])).long().to(x.device)
                 st.samples.append(x[idx].clone())
 
         return fn
@@ -229,7 +232,7 @@ def collect_stats(
         handles.append(model.get_submodule(g.linears[0]).register_forward_pre_hook(hook(g.name)))
     try:
         for w in windows:
-            model(w.view(1, -1))
+            model(w.view(1, -1).to(device))
     finally:
         for h in handles:
             h.remove()

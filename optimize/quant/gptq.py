@@ -26,6 +26,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
+from optimize.device import model_device, on_device
 from optimize.quant.block_inputs import BlockChain
 from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight, weight_scales
 from train.model_parts import block_of, decoder_blocks
@@ -46,6 +47,9 @@ class GptqLayerResult:
     def dequantized(self) -> torch.Tensor:
         gs = self.q.shape[1] // self.scale.shape[1]
         return (self.q.float().view(self.q.shape[0], -1, gs) * self.scale.unsqueeze(-1)).view(self.q.shape)
+
+    def to(self, device: torch.device) -> "GptqLayerResult":
+        return GptqLayerResult(self.q.to(device), self.scale.to(device), self.rel_error_rtn, self.rel_error_gptq)
 
 
 def _mse_scales(w: torch.Tensor, scheme: WeightScheme, grid: int = 20, min_shrink: float = 0.75) -> torch.Tensor:
@@ -108,11 +112,11 @@ def gptq_layer(
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     h_ref = h.clone()
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f)
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f, device=h.device)
     inv_perm = torch.argsort(perm)
     w = w[:, perm]
     h = h[perm][:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype)
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype, device=h.device)
     try:
         hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except torch.linalg.LinAlgError as exc:  # pragma: no cover - damp makes H positive definite in practice
@@ -238,6 +242,7 @@ def gptq_model(
     act_order: bool = True,
     scale_init: ScaleInit = "absmax",
     log: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
 ) -> GptqRunResult:
     """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
 
@@ -251,9 +256,17 @@ def gptq_model(
     GPTQ values (exactly on the grid), so later blocks calibrate on what the quantized model
     computes. Linears outside the decoder blocks (``lm_head``) come last.
     The caller turns the returned integers and scales into its runtime's tensors.
+
+    ``device`` is where the blocks compute. With the chain, a model kept elsewhere (a large model
+    on the CPU, the GPU as ``device``) has one decoder block at a time moved there, together
+    with the carried hidden states, and back once it is quantized; what lies outside the blocks
+    (and the slower path without the chain) runs where the model is. None, or the model's own
+    device: everything runs where the model is. The windows are moved to the model.
     """
     if not windows:
         raise ValueError("GPTQ needs calibration windows (ctx.calibration is empty)")
+    home = model_device(model)
+    windows = [w.to(home) for w in windows]
     blocks = [name for name, _ in decoder_blocks(model)]
     _untie(model, list(targets))
     stages: dict[str | None, list[str]] = {}
@@ -277,7 +290,7 @@ def gptq_model(
             res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
                              act_order=act_order, scale_init=scale_init)
             lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
-            result.layers[name] = res
+            result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
         if log:
             log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
         result.steps.append(label)
@@ -292,11 +305,13 @@ def gptq_model(
         # each block calibrates on the cached outputs of the (already quantized) blocks before it:
         # two forwards of that block per window instead of a forward through every earlier block
         outside = None in stages
+        chain.to(device or home)
         for i, block in enumerate(blocks):
-            if block in stages:
-                calibrate_and_quantize(stages[block], lambda i=i: chain.run_block(i), block)
-            if i < len(blocks) - 1 or outside:
-                chain.advance(i)
+            with on_device(chain.mods[i], device):
+                if block in stages:
+                    calibrate_and_quantize(stages[block], lambda i=i: chain.run_block(i), block)
+                if i < len(blocks) - 1 or outside:
+                    chain.advance(i)
         if outside:
             # the Linears outside the blocks (lm_head) read what the quantized blocks output: the
             # blocks answer from the chain, so only the embedding, final norm and head run again

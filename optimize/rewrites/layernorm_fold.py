@@ -31,8 +31,9 @@ CONFIG_KEY = "edge_optimize_rmsnorm"
 
 def _norm_params(norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
     d = norm.normalized_shape[-1]
-    gamma = norm.weight.detach().double() if norm.weight is not None else torch.ones(d, dtype=torch.float64)
-    beta = norm.bias.detach().double() if getattr(norm, "bias", None) is not None else torch.zeros(d, dtype=torch.float64)
+    like = dict(dtype=torch.float64, device=next(norm.parameters(), torch.empty(0)).device)
+    gamma = norm.weight.detach().double() if norm.weight is not None else torch.ones(d, **like)
+    beta = norm.bias.detach().double() if getattr(norm, "bias", None) is not None else torch.zeros(d, **like)
     return gamma, beta
 
 
@@ -43,7 +44,8 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def _rmsnorm_like(norm: nn.LayerNorm, weight: torch.Tensor | None = None) -> LlamaRMSNorm:
     dtype = norm.weight.dtype if norm.weight is not None else torch.float32
-    new = LlamaRMSNorm(norm.normalized_shape[-1], eps=norm.eps).to(dtype)
+    device = norm.weight.device if norm.weight is not None and not norm.weight.is_meta else None  # beside the old norm
+    new = LlamaRMSNorm(norm.normalized_shape[-1], eps=norm.eps).to(device=device, dtype=dtype)
     if weight is not None:
         with torch.no_grad():
             new.weight.copy_(weight)

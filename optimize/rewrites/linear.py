@@ -26,7 +26,7 @@ def weight_out_in(mod: nn.Module) -> torch.Tensor:
 def bias_or_zeros(mod: nn.Module) -> torch.Tensor:
     out = mod.weight.shape[1] if isinstance(mod, Conv1D) else mod.weight.shape[0]
     if getattr(mod, "bias", None) is None:
-        return torch.zeros(out, dtype=torch.float64)
+        return torch.zeros(out, dtype=torch.float64, device=mod.weight.device)
     return mod.bias.detach().to(torch.float64).clone()
 
 

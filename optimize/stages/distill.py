@@ -155,7 +155,7 @@ def _projection(d_in: int, d_out: int, seed: int, like: torch.Tensor, kept: list
     return proj.to(device=like.device, dtype=like.dtype), how
 
 
-@register_stage("distill", DistillConfig)
+@register_stage("distill", DistillConfig, uses_baseline=True)
 def distill(model: nn.Module, cfg: DistillConfig, ctx: StageContext) -> nn.Module:
     """Knowledge distillation on train text: KL to a teacher (default: the pre-pipeline model), optional CE and hidden-state MSE."""
     teacher = resolve_teacher(model, cfg.teacher, ctx, "distill") if cfg.loss == "distill" else None

@@ -5,7 +5,7 @@ fake-quantized ones (int8 dynamic per-token activations, int8/int4 symmetric wei
 numerics of ``base``), the model is fine-tuned on ``ctx.train_ids`` so the weights adapt to
 the rounding, and ``QATConfig(base, step="convert")`` swaps them back and applies ``base``
 itself. ``base`` is exactly the torchao config ``ptq_int8`` builds (:func:`linear_config`),
-and the layer selection is ``ptq_int8``'s :func:`plan`, so the output is the same
+and the layer selection is ``ptq_int8``'s (:meth:`Ptq8Config.layer_plan`), so the output is the same
 ``IntxUnpackedToInt8Tensor`` layout and exports to ExecuTorch/XNNPACK the same way.
 ``torch.ao.quantization.convert`` must not be used instead: it silently ruins accuracy.
 
@@ -29,8 +29,9 @@ from torch import nn
 from optimize.stage_api import StageContext, register_stage
 from optimize.stages._select import is_tied
 from optimize.stages.distill import TrainingStageConfig, resolve_teacher, run_training
-from optimize.stages._ptq_plan import plan, untie_config
-from optimize.stages.ptq_int8 import Ptq8Config, linear_config
+from optimize.stages.ptq_config import Ptq8Config
+from optimize.stages.ptq_int8 import linear_config
+from optimize.stages.ptq_plan import untie_config
 
 
 class QatConfig(TrainingStageConfig):
@@ -120,7 +121,7 @@ def _only(names: set[str]):
     return lambda m, fqn: isinstance(m, nn.Linear) and fqn in names
 
 
-@register_stage("qat", QatConfig)
+@register_stage("qat", QatConfig, uses_baseline=True)
 def qat(model: nn.Module, cfg: QatConfig, ctx: StageContext) -> nn.Module:
     """Quantization-aware training (torchao QATConfig prepare -> fine-tune -> convert) to 8da4w/8da8w; scheme from the target unless given."""
     from torchao.quantization import quantize_
@@ -133,7 +134,7 @@ def qat(model: nn.Module, cfg: QatConfig, ctx: StageContext) -> nn.Module:
             raise ValueError("qat: " + "; ".join(problems))
     pcfg = cfg.ptq_config(ctx.target)
     try:
-        p = plan(model, pcfg)
+        p = pcfg.layer_plan(model)
     except ValueError as exc:
         raise ValueError(str(exc).replace("ptq_int8:", "qat:", 1)) from None
     teacher = resolve_teacher(model, None, ctx, "qat") if cfg.loss == "distill" else None

@@ -28,5 +28,7 @@ def tiny_cfg(tmp_path, tiny_llama_config):
     """A tiny pipeline config dict writing into tmp_path; tests add stages and gates."""
     cfg = copy.deepcopy(TINY_PIPELINE)
     cfg["model"]["config"] = tiny_llama_config
+    if os.environ.get("OPTIMIZE_TEST_TOKENIZER"):  # a saved tokenizer folder, where the bundled model is not installed (a GPU box)
+        cfg["model"]["tokenizer"] = os.environ["OPTIMIZE_TEST_TOKENIZER"]
     cfg["output_dir"] = str(tmp_path / "run")
     return cfg

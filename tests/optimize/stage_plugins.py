@@ -23,8 +23,22 @@ def test_noise(model, cfg: NoiseConfig, ctx):
     g = torch.Generator().manual_seed(ctx.seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * cfg.scale)
+            p.add_((torch.randn(p.shape, generator=g) * cfg.scale).to(p.device, p.dtype))
     ctx.details["scale"] = cfg.scale
+    return model
+
+
+class WhereConfig(StageConfig):
+    kind: Literal["test_where"] = "test_where"
+
+
+@register_stage("test_where", WhereConfig)
+def test_where(model, cfg: WhereConfig, ctx):
+    """Record where the stage ran (test only: the context's device and dtype, and the model's)."""
+    p = next(model.parameters())
+    ctx.details.update({"ctx_device": str(ctx.device), "ctx_dtype": str(ctx.dtype),
+                        "model_device": str(p.device), "model_dtype": str(p.dtype),
+                        "baseline_model": ctx.baseline_model is not None})
     return model
 
 

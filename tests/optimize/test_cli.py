@@ -49,6 +49,10 @@ def test_pipeline_exit_code_follows_gates(tiny_cfg, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "STOPPED at 0:test_noise" in out and "| baseline | eager |" in out
     assert main(["pipeline", str(path), "gates.on_fail=warn", "resume=false"]) == 0
+    # a run whose gate only warned does not end with "all gates passed": it names the gate and its figure
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("warn: finished with 1 gate(s) failed as warnings: 0:test_noise: ") and "top1" in last, last
+    assert "all gates passed" not in last
 
 
 def test_run_missing_artifact_is_a_clear_error(tmp_path, capsys):
@@ -193,6 +197,49 @@ def test_value_error_raised_by_our_code_is_expected_but_a_library_bug_keeps_its_
     monkeypatch.setattr("optimize.cli.cmd_schema", _raiser(ZeroDivisionError("bug")))
     with pytest.raises(ZeroDivisionError):
         main(["schema"])
+
+
+def test_an_implicit_value_error_in_our_code_is_a_bug_not_a_refusal(monkeypatch):
+    """Only a ValueError our code raises on purpose (a ``raise`` statement) reads as bad input; one
+    that Python raises inside our code (here ``int("two")`` in train/distributed.py) is a bug."""
+    from train.config import DistributedConfig
+    from train.distributed import init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    monkeypatch.setattr("optimize.cli.cmd_schema", lambda args: init_distributed("cpu", DistributedConfig()))
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        main(["schema"])
+
+
+def _train_recipe(tmp_path, **train) -> str:
+    from tests.conftest import TINY_CONFIGS
+
+    recipe = {
+        "model": {"source": "random", "seed": 0, "config": dict(TINY_CONFIGS["llama"])},
+        "data": {"corpus": "pydoc", "seq_len": 32, "max_tokens": 2000},
+        "train": {"output_dir": str(tmp_path / "run"), "max_steps": 1, "logging": {"progress_bar": False}, **train},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def test_train_verb_refuses_a_bad_recipe_in_one_message(tmp_path, capsys):
+    assert main(["train", _train_recipe(tmp_path, compile="fast")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "train.compile: compile takes true, false or a mapping" in err
+    assert "Traceback" not in err
+
+
+def test_train_verb_internal_error_keeps_its_traceback(tmp_path, monkeypatch):
+    """issue 27: an internal ValueError during training (torchao's unpack under FSDP2) is a bug (exit 1)."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("internal: injected")
+
+    monkeypatch.setattr("train.api.load_model", broken)
+    with pytest.raises(RuntimeError, match="internal: injected"):
+        main(["train", _train_recipe(tmp_path)])
 
 
 def test_missing_config_file_is_one_line(tmp_path, capsys):

@@ -34,6 +34,17 @@ def tiny_recipe(output_dir: Path, **train_overrides) -> dict:
     return dict(model=copy.deepcopy(TINY_MODEL), data=dict(corpus="pydoc", seq_len=64, max_tokens=20000), train=train)
 
 
+def loop_cfg(output_dir: Path, **overrides):
+    """A LoopConfig for a few in-process steps on a tiny model: 3 steps, micro-batch 2 x 2, no
+    checkpoint at the end, no bar or CSV. ``overrides`` replace whole fields (``logging=...``)."""
+    from train.config import LoopConfig
+
+    fields = dict(output_dir=output_dir, max_steps=3, optimizer=dict(lr=2e-3),
+                  batch=dict(micro_batch_size=2, grad_accum_steps=2),
+                  checkpoint=dict(save_final=False, export_hf=False), logging=dict(progress_bar=False, csv=False))
+    return LoopConfig(**{**fields, **overrides})
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -103,8 +114,10 @@ def th():
     return SimpleNamespace(
         REPO=REPO,
         tiny_recipe=tiny_recipe,
+        loop_cfg=loop_cfg,
         write_recipe=write_recipe,
         run_train=run_train,
         popen_train=popen_train,
         train_command=train_command,
+        env=_env,
     )

@@ -152,6 +152,38 @@ def test_cpu_kernels_are_probed():
     assert usable_sdpa_kernels(CPU, torch.float32, 64, masked=True) == ["flash", "math"]
 
 
+def test_kernel_probe_passes_the_shapes_transformers_passes_with_gqa(monkeypatch):
+    """On an H200, a pinned `efficient` with a GQA model (4 query heads, 2 KV heads) passed the old
+    probe (equal heads) and died at step 1 ("No available kernel"): transformers hands SDPA the KV
+    heads as they are with enable_gqa when there is no mask, and the efficient kernel has no GQA.
+    The probe now sees those shapes; with a mask, the KV heads are repeated first, as transformers does."""
+    import train.attention as attention
+
+    seen = []
+
+    def record(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        seen.append((q.shape[1], k.shape[1], enable_gqa, attn_mask is not None))
+        return "none"
+
+    monkeypatch.setattr(attention, "sdpa_choice", record)
+    usable_sdpa_kernels(CPU, torch.float32, 16, masked=False, heads=4, kv_heads=2)
+    assert set(seen) == {(4, 2, True, False)}
+    seen.clear()
+    usable_sdpa_kernels(CPU, torch.float32, 16, masked=True, heads=4, kv_heads=2)
+    assert set(seen) == {(4, 4, False, True)}
+    seen.clear()
+    usable_sdpa_kernels(CPU, torch.float32, 16, masked=False)
+    assert set(seen) == {(2, 2, False, False)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_efficient_kernel_with_gqa_is_refused_before_training_on_cuda():
+    model = _model("llama")  # GQA: fewer KV heads than query heads
+    with pytest.raises(AttentionError, match="sdpa_kernel efficient cannot run on cuda .*sharing .* KV heads"):
+        configure_attention(model, AttentionConfig(sdpa_kernel="efficient"), torch.device("cuda"), torch.bfloat16, 64)
+
+
 def test_refusals_name_the_option_and_what_works():
     model = _model("llama")
     with pytest.raises(AttentionError, match="flash_attention_2 needs a CUDA device; this run is on cpu"):

@@ -64,6 +64,32 @@ def test_chunked_ce_under_bf16_autocast_is_close():
     assert gw.dtype == torch.float32 and torch.allclose(gw, _grads(ref, (w,))[0], atol=2e-3)
 
 
+@pytest.mark.slow
+def test_compiled_chunks_equal_the_eager_chunks():
+    """train.compile's chunked CE (one torch.compile'd function per chunk) against the eager path and
+    the plain loss: fp32 with bias, scale and soft-cap, a short last chunk and ignored labels, then
+    bf16 autocast (the compiled path fuses the cast of the logits' gradient)."""
+    h, w, b = _leaves(bias=True)
+    head = LMHead(w, b, 0.5, 3.0)
+    labels = torch.randint(0, w.shape[0], (2, h.shape[1]), generator=torch.Generator().manual_seed(1))
+    labels[0, :5] = -100
+    ref = F.cross_entropy(_plain_logits(h, head).reshape(-1, w.shape[0]), labels.reshape(-1))
+    eager = chunked_cross_entropy(h, head, labels, chunk_size=32)
+    got = chunked_cross_entropy(h, head, labels, chunk_size=32, compiled=True)
+    assert got.item() == pytest.approx(ref.item(), rel=1e-5) and got.item() == pytest.approx(eager.item(), rel=1e-5)
+    for a, r in zip(_grads(got, (h, w, b)), _grads(ref, (h, w, b))):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = chunked_cross_entropy(h, w, labels, chunk_size=32)
+        got = chunked_cross_entropy(h, w, labels, chunk_size=32, compiled=True)
+    assert got.item() == pytest.approx(eager.item(), abs=1e-3)
+    ge, gg = _grads(eager, (h, w)), _grads(got, (h, w))
+    assert gg[1].dtype == torch.float32
+    for a, r in zip(gg, ge):
+        torch.testing.assert_close(a, r, rtol=2e-2, atol=2e-3)
+
+
 def _ref_kl(zs, zt, T, labels=None, alpha=0.0):
     v = zs.shape[-1]
     kl = F.kl_div(

@@ -139,3 +139,26 @@ def test_train_never_imports_optimize(th):
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n == "optimize" or n.startswith("optimize.") for n in names), path
+
+
+def test_fused_adamw_only_for_plain_adamw_all_on_cuda():
+    from train.optim import use_fused_adamw
+
+    assert use_fused_adamw(OptimizerConfig(), {"cuda"})
+    assert not use_fused_adamw(OptimizerConfig(), {"cpu"})  # CPU keeps torch's default
+    assert not use_fused_adamw(OptimizerConfig(), {"cuda", "cpu"})  # FSDP CPU offload: host shards
+    assert not use_fused_adamw(OptimizerConfig(cpu_offload=True), {"cuda"})  # torchao fuses its CPU step itself
+    assert not use_fused_adamw(OptimizerConfig(name="adamw8bit"), {"cuda"})
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(4))], OptimizerConfig(), torch.device("cpu"))
+    assert not opt.defaults["fused"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_adamw_on_cuda():
+    p = torch.nn.Parameter(torch.zeros(4, device="cuda"))
+    opt = build_optimizer([p], OptimizerConfig(), torch.device("cuda"))
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert p.detach().abs().sum().item() > 0

@@ -145,3 +145,78 @@ def test_adamw8bit_trains_on_cpu(tiny_llama, train_ids, tmp_path):
     resumed = _run(tiny_llama, train_ids, _cfg(tmp_path, "8bit-resumed", **kw))
     for step in (3, 4):
         assert resumed.losses[step] == pytest.approx(res.losses[step], abs=1e-6)
+
+
+def test_head_check_runs_under_the_steps_autocast_and_kernel(tiny_llama, train_ids, tmp_path, monkeypatch):
+    """A pinned SDPA kernel with bf16 failed at step 1 on CUDA: the head check ran the model outside
+    the training autocast, so q/k/v reached SDPA in fp32, where flash/efficient have no kernel.
+    Every SDPA call, in the check and in the step, must see the same autocast and kernel choice."""
+    import train.loop as loop
+
+    seen: dict[str, set] = {"check": set(), "step": set()}
+    phase = ["step"]
+    real_sdpa, real_check = F.scaled_dot_product_attention, loop.check_head_matches_logits
+
+    def sdpa(*args, **kwargs):
+        state = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.backends.cuda.math_sdp_enabled())
+        seen[phase[0]].add(state)
+        return real_sdpa(*args, **kwargs)
+
+    def check(*args, **kwargs):
+        phase[0] = "check"
+        try:
+            return real_check(*args, **kwargs)
+        finally:
+            phase[0] = "step"
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(loop, "check_head_matches_logits", check)
+    cfg = _cfg(tmp_path, "pinned", max_steps=1, precision=dict(mode="bf16"), attention=dict(sdpa_kernel="flash"))
+    _run(tiny_llama, train_ids, cfg)
+    assert seen["step"] == {(True, torch.bfloat16, False)}  # bf16 autocast, math kernel excluded
+    assert seen["check"] == seen["step"]
+
+
+def _count_host_reads(monkeypatch) -> list[str]:
+    """Record every tensor-to-Python read (each one waits for the device on CUDA) made by train/ code."""
+    import sys
+
+    calls: list[str] = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, _real=real, _name=name, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("train."):
+                calls.append(f"{caller}.{_name}")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    return calls
+
+
+def test_no_host_sync_per_micro_step(tiny_llama, train_ids, tmp_path, monkeypatch):
+    """The loop reads losses and gradient norms back once per logging interval, not per micro-batch
+    or per step: 16 micro-batches in 4 steps cost the same reads as 4 micro-batches."""
+    calls = _count_host_reads(monkeypatch)
+    counts = {}
+    for accum in (1, 4):
+        calls.clear()
+        cfg = _cfg(tmp_path, f"a{accum}", max_steps=4, logging=dict(every_n_steps=4),
+                   batch=dict(micro_batch_size=4 // accum, grad_accum_steps=accum))
+        _run(tiny_llama, train_ids, cfg)
+        counts[accum] = list(calls)
+    assert counts[1] == counts[4]
+    reads = [c for c in counts[4] if c.startswith("train.loop.")]
+    assert len(reads) == 2, reads  # after the first step (warm-up out of steady tokens/s) and at step 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_pinned_sdpa_kernel_with_bf16_trains_on_cuda(tiny_llama, train_ids, tmp_path, kernel):
+    """The failure itself (issue 27, H200): step 1 died in the head check with 'No available kernel'."""
+    cfg = _cfg(tmp_path, kernel, max_steps=2, device="cuda", precision=dict(mode="bf16"),
+               attention=dict(sdpa_kernel=kernel))
+    res = _run(tiny_llama, train_ids, cfg)
+    assert sorted(res.losses) == [1, 2] and res.attention["kernel"] == f"sdpa:{kernel}"

@@ -322,3 +322,29 @@ def test_bad_values_are_clear(tmp_path):
         run(student, DistillConfig(steps=1, seq_len=32, hidden_weight=1.0, layer_map={0: 5}), ctx_for(tmp_path, teacher))
     with pytest.raises(ValueError, match=r"hidden_layers \[7\] are not student blocks"):
         run(student, DistillConfig(steps=1, seq_len=32, hidden_weight=1.0, hidden_layers=[7]), ctx_for(tmp_path, teacher))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distillation_trains_where_the_pipeline_placed_the_model(tmp_path, device):
+    """Student and baseline teacher on ``device``, training text on the CPU: the stage trains
+    there, leaves the model there, and pulls it toward the teacher as on the CPU."""
+    teacher, student = teacher_and_student()
+    teacher.to(device)
+    student.to(device)
+    probe = PROBE.to(device)
+
+    def kl_here() -> float:
+        with torch.no_grad():
+            return kl_to_teacher(student(input_ids=probe).logits, teacher(input_ids=probe).logits).item()
+
+    before = kl_here()
+    cfg = DistillConfig(steps=25, seq_len=32, optimizer={"lr": 1e-3}, batch={"micro_batch_size": 2, "grad_accum_steps": 2})
+    ctx = ctx_for(tmp_path, teacher)
+    ctx.device = torch.device(device)
+    out = run(student, cfg, ctx)
+    assert out is student and all(p.device.type == device for p in student.parameters())
+    assert kl_here() < 0.8 * before

@@ -196,8 +196,8 @@ CASES = {
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("family", list(CASES))
 def test_pruned_model_reloads_and_exports_smaller(family, tmp_path, smollm2_tokenizer):
-    from export.executorch import ExecuTorchExporter
-    from export.onnxruntime import OnnxRuntimeExporter
+    from export.executorch.exporter import ExecuTorchExporter
+    from export.onnxruntime.exporter import OnnxRuntimeExporter
     from export.runtime import EagerRunner
     from export.verify import logits_parity
     from train.sources import RandomSource, load_model
@@ -249,3 +249,33 @@ def test_pruned_model_reloads_and_exports_smaller(family, tmp_path, smollm2_toke
         size = runner.size_bytes()
         assert 4 * after <= size < dense_bytes, (exp.name, size, 4 * after, dense_bytes)
         runner.close()
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [dict(method="depth", num_hidden_layers=1),
+                                     dict(method="width", num_attention_heads=2, num_key_value_heads=1, mlp_ratio=0.5),
+                                     dict(method="semi_structured")])
+def test_prune_scores_and_cuts_where_the_pipeline_placed_the_model(tmp_path, device, options):
+    """CPU calibration windows, the model on ``device``: the pruned model is there too and
+    computes the same logits as the same cut made on the CPU."""
+    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
+
+    base = family("llama")
+    g = torch.Generator().manual_seed(2)
+    windows = [torch.randint(1, 500, (48,), generator=g) for _ in range(2)]
+    probe = torch.randint(1, 500, (1, 24), generator=g)
+    out = {}
+    for where in ("cpu", device):
+        ctx = StageContext(tokenizer=None, calibration=windows, train_ids=torch.zeros(0, dtype=torch.long),
+                           target=None, work_dir=tmp_path, log=lambda s: None, device=torch.device(where))
+        model = get_stage("prune").fn(copy.deepcopy(base).to(where), PruneConfig(**options), ctx)
+        assert all(p.device.type == where for p in model.parameters())
+        with torch.no_grad():
+            out[where] = (model(probe.to(where)).logits.cpu(), ctx.details)
+    (a, da), (b, db) = out["cpu"], out[device]
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    assert da.get("kept_blocks") == db.get("kept_blocks") and da.get("kept_heads") == db.get("kept_heads")

@@ -174,7 +174,7 @@ def test_int8_modules_train_lm_head_at_8da8w(tmp_path):
     ctx = ctx_for(tmp_path, teacher)
     cfg = QatConfig(scheme="8da4w", group_size=32, keep_high_precision=[], int8_modules=["lm_head"], steps=2, seq_len=32)
     out = get_stage("qat").fn(copy.deepcopy(teacher), cfg, ctx)
-    from export.linear_schemes import module_schemes
+    from export.precision import module_schemes
 
     schemes = module_schemes(out)
     assert schemes["lm_head"] == "8da8w" and schemes["model.layers.0.mlp.down_proj"] == "8da4w"
@@ -186,9 +186,9 @@ def test_int8_modules_train_lm_head_at_8da8w(tmp_path):
 def test_qat_model_exports_to_pte_matching_eager(tmp_path):
     """The converted QAT model is ptq_int8's layout, so the .pte reproduces the eager QAT model.
     XNNPACK rounds the dynamic activation scales slightly differently from torchao's eager
-    reference (see tests/export/test_executorch.py); measured here: max diff 0.0077 on logits up
+    reference (see tests/export/executorch/test_exporter.py); measured here: max diff 0.0077 on logits up
     to 0.85 (0.9%), top-1 agreement 100%. The bound leaves 2x margin."""
-    from export.executorch import ExecuTorchExporter
+    from export.executorch.exporter import ExecuTorchExporter
     from export.runtime import EagerRunner
     from export.verify import logits_parity
     from train.sources import RandomSource, load_model
@@ -213,3 +213,29 @@ def test_qat_model_exports_to_pte_matching_eager(tmp_path):
     ref.reset()
     scale = float(ref.forward(ids).abs().max())
     assert parity["max_abs_diff"] < 0.02 * scale and parity["top1_agreement"] >= 0.95, (parity, scale)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qat_trains_and_converts_where_the_pipeline_placed_the_model(tmp_path, device):
+    """On ``device``: the converted layers are torchao's XNNPACK layout there, and QAT beats PTQ's KL."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    teacher = tiny().to(device)
+    probe = PROBE.to(device)
+
+    def kl_here(model) -> float:
+        with torch.no_grad():
+            return kl_to_teacher(model(input_ids=probe).logits, teacher(input_ids=probe).logits).item()
+
+    ctx = ctx_for(tmp_path, teacher)
+    ctx.device = torch.device(device)
+    ptq = get_stage("ptq_int8").fn(copy.deepcopy(teacher), Ptq8Config(scheme="8da4w", group_size=32), ctx)
+    cfg = QatConfig(scheme="8da4w", group_size=32, steps=20, seq_len=32, batch={"micro_batch_size": 4})
+    qat = get_stage("qat").fn(copy.deepcopy(teacher), cfg, ctx)
+    down = qat.model.layers[0].mlp.down_proj.weight
+    assert isinstance(down, IntxUnpackedToInt8Tensor) and down.qdata.device.type == device
+    assert kl_here(qat) < 0.8 * kl_here(ptq)

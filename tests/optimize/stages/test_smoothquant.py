@@ -167,3 +167,52 @@ def test_supported_families_pass_validation(tiny_cfg, model_type):
                                    "pad_token_id": 0}
     tiny_cfg["stages"] = [{"kind": "smoothquant"}, {"kind": "awq"}]
     assert len(load_config(tiny_cfg).stages) == 2
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("kind", ["smoothquant", "awq"])
+def test_stage_on_a_device_folds_as_on_the_cpu(tmp_path, kind, model_type, device):
+    """With the model placed on ``device`` (as the pipeline does) and CPU calibration windows,
+    the stage gathers its statistics there and folds exactly.
+
+    SmoothQuant's scales are a formula of the statistics: the same weights as on the CPU. AWQ's
+    exponent is a search over int4 fake-quant errors: on an H200 its statistics matched the CPU's
+    to 1e-7 (TF32 off), yet the errors per exponent differed by 1-10% and the chosen exponents in
+    about half the groups of these random models; most likely rounding ties (a group's largest
+    negative weight lands on -7.5 exactly, so the last bit of its scale decides -8 or -7). What
+    must hold on any device is an exact fold that never does worse than round-to-nearest on its rows."""
+    import copy
+
+    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
+
+    from optimize.stages.awq import AwqConfig
+    from optimize.stages.smoothquant import SmoothQuantConfig
+
+    base = family(model_type)
+    probe = torch.randint(1, 500, (1, 32), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ref = base(probe).logits
+    cfg = AwqConfig(rows=32, keep_high_precision=[]) if kind == "awq" else SmoothQuantConfig(alpha=0.8)
+    ran = {}
+    for where in ("cpu", device):
+        ctx = _ctx(tmp_path)
+        ctx.calibration = [w % 500 for w in ctx.calibration]
+        ctx.device = torch.device(where)
+        model = get_stage(kind).fn(copy.deepcopy(base).to(where), cfg, ctx)
+        assert all(p.device.type == where for p in model.parameters())
+        with torch.no_grad():
+            torch.testing.assert_close(model(probe.to(where)).logits.cpu(), ref, rtol=1e-4, atol=1e-4)
+        ran[where] = (model.cpu(), ctx.details)
+    (cpu_model, cpu_d), (dev_model, dev_d) = ran["cpu"], ran[device]
+    if kind == "awq":
+        assert dev_d["groups"] == cpu_d["groups"] > 0
+        assert dev_d["calibration_output_error_reduction"] >= 0 and cpu_d["calibration_output_error_reduction"] >= 0
+    else:
+        for (n, a), b in zip(cpu_model.named_parameters(), dev_model.parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=n)
+        assert dev_d["scale_range"] == pytest.approx(cpu_d["scale_range"], rel=1e-4)

@@ -1,0 +1,41 @@
+"""Peak memory per row: what a span allocated shows in its peak, even once freed again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cuda_marks import needs_cuda  # tests/optimize is on sys.path (its conftest)
+
+from optimize.resources import PeakMemory, Resources
+
+
+def test_a_freed_allocation_still_counts_in_the_span_peak():
+    before = PeakMemory(torch.device("cpu")).start().stop()
+    meter = PeakMemory(torch.device("cpu")).start()
+    block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+    del block
+    res = meter.stop()
+    assert res.device == "cpu" and res.peak_cuda_mb is None
+    assert res.peak_rss_delta_mb >= 200, res  # freed before stop, still the span's peak
+    assert res.peak_rss_mb >= before.peak_rss_mb + 200
+    quiet = PeakMemory(torch.device("cpu")).start().stop()
+    assert quiet.peak_rss_delta_mb < 50, quiet  # a new span starts from what the process holds now
+
+
+def test_merged_keeps_the_larger_peaks():
+    a = Resources(device="cpu", peak_rss_mb=900.0, peak_rss_delta_mb=10.0)
+    b = Resources(device="cpu", peak_rss_mb=800.0, peak_rss_delta_mb=300.0, peak_cuda_mb=None)
+    assert a.merged(b) == Resources(device="cpu", peak_rss_mb=900.0, peak_rss_delta_mb=300.0)
+    assert Resources(device="cpu").merged(a).peak_rss_mb == 900.0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_peak_counts_what_the_span_allocated():
+    device = torch.device("cuda")
+    held = torch.cuda.memory_allocated(device) / 2**20  # what earlier tests left allocated counts too
+    meter = PeakMemory(device).start()
+    block = torch.ones(64 * 2**20 // 4, device=device)  # 64 MiB
+    del block
+    res = meter.stop()
+    assert res.device.startswith("cuda") and 64 <= res.peak_cuda_mb - held < 64 + 32, (res, held)
