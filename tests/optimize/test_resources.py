@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from cuda_marks import needs_cuda  # tests/optimize is on sys.path (its conftest)
@@ -12,8 +14,11 @@ from optimize.resources import PeakMemory, Resources
 def test_a_freed_allocation_still_counts_in_the_span_peak():
     before = PeakMemory(torch.device("cpu")).start().stop()
     meter = PeakMemory(torch.device("cpu")).start()
-    block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
-    del block
+    # 256 MiB of fresh pages, touched, then unmapped: an anonymous mmap rather than a tensor, whose
+    # memory malloc may serve from pages an earlier test left resident (then RSS would not move)
+    block = mmap.mmap(-1, 256 * 2**20)
+    block.write(b"\1" * len(block))
+    block.close()
     res = meter.stop()
     assert res.device == "cpu" and res.peak_cuda_mb is None
     assert res.peak_rss_delta_mb >= 200, res  # freed before stop, still the span's peak
