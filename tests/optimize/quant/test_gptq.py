@@ -44,6 +44,22 @@ def test_gptq_beats_round_to_nearest_on_held_out_rows(bits, group_size):
     assert res.scale.shape == (96, 128 // (group_size or 128))
 
 
+@pytest.mark.parametrize("scale_init", ["absmax", "mse"])
+def test_rows_in_chunks_give_the_same_integers(scale_init):
+    """GPTQ's rows are independent given the Hessian: a 1B-class output head (128256 rows) goes
+    through in chunks (its float64 copies were 2.1 GB each: 22.5 GB RSS), with the same result."""
+    from optimize.quant.fakequant import scheme_for
+
+    w = torch.randn(300, 128, generator=torch.Generator().manual_seed(1))
+    x = _correlated_inputs(512, 128, seed=2)
+    h = x.double().t() @ x.double()
+    whole = gptq_layer(w, h, scheme_for("8da4w", 32), scale_init=scale_init)
+    parts = gptq_layer(w, h, scheme_for("8da4w", 32), scale_init=scale_init, rows_per_chunk=37)
+    assert torch.equal(whole.q, parts.q) and torch.equal(whole.scale, parts.scale)
+    assert parts.rel_error_gptq == pytest.approx(whole.rel_error_gptq, rel=1e-12)
+    assert parts.rel_error_rtn == pytest.approx(whole.rel_error_rtn, rel=1e-12)
+
+
 def test_gptq_rejects_mismatched_shapes_and_bad_damp():
     w = torch.randn(8, 64)
     with pytest.raises(ValueError, match="do not match"):
