@@ -96,7 +96,7 @@ def child_plain(spec: dict, out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
     fwd = torch.compile(model) if spec["compiled"] else model
     mb, seq, steps, warm = spec["micro_batch"], spec["seq"], spec["steps"], spec["warmup"]
-    ids = torch.randint(0, config.vocab_size, (mb, seq + 1), device=dev, generator=None)
+    ids = torch.randint(0, config.vocab_size, (mb, seq + 1), device=dev)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -326,7 +326,7 @@ def section_recipes(args, budget: Budget) -> list[dict]:
     return sorted(rows, key=lambda r: r["run"])
 
 
-def _stage_config(args, name: str, model: dict, stages: list[dict], device: str, *, dtype: str | None = None,
+def _stage_config(name: str, model: dict, stages: list[dict], device: str, *, dtype: str | None = None,
                   calibration_tokens: int | None = None) -> dict:
     """A pipeline config without a target: the model, the stages, their eager checks, gates that warn."""
     import yaml
@@ -377,7 +377,7 @@ def _stage_rows(label: str, res: dict) -> list[dict]:
 def start_cpu_stages(args) -> tuple[subprocess.Popen, Path, float] | None:
     """The demo's stages on 2 CPU threads, started first: it runs beside the GPU sections."""
     model, _ = _demo_model(args)
-    cfg = _stage_config(args, "demo-cpu", model, _demo_stages(args), "cpu",
+    cfg = _stage_config("demo-cpu", model, _demo_stages(args), "cpu",
                         calibration_tokens=1024 if args.smoke else None)
     out = Path(tempfile.mkdtemp(prefix="bench_gpu_cpu_")) / "r.json"
     cmd = [sys.executable, __file__, "--child", "pipeline", "--spec", json.dumps({"config": cfg, "threads": 2}),
@@ -404,7 +404,7 @@ def finish_cpu_stages(started, budget: Budget) -> dict:
 
 def section_stages(args, budget: Budget) -> list[dict]:
     model, what = _demo_model(args)
-    cfg = _stage_config(args, "demo-gpu", model, _demo_stages(args), args.device,
+    cfg = _stage_config("demo-gpu", model, _demo_stages(args), args.device,
                         calibration_tokens=1024 if args.smoke else None)
     res = run_child("pipeline", {"config": cfg}, budget, cap=300)
     return _stage_rows(f"demo stages on {args.device} ({what})", res)
@@ -422,7 +422,7 @@ def section_scale(args, budget: Budget) -> list[dict]:
             "batch": {"micro_batch_size": 2 if args.smoke else 4}, "optimizer": {"lr": 2e-5}}]
     rows = []
     for name, stages in (("awq+gptq", quant), ("qat", qat)):
-        cfg = _stage_config(args, f"scale-{name}", model, stages, args.device, dtype="bfloat16",
+        cfg = _stage_config(f"scale-{name}", model, stages, args.device, dtype="bfloat16",
                             calibration_tokens=1024 if args.smoke else 4096)
         rows += _stage_rows(f"{shape} {name} on {args.device}", run_child("pipeline", {"config": cfg}, budget, cap=300))
     return rows
