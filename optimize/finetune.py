@@ -160,6 +160,7 @@ def train_in_place(
     resume_dir: Path | None = None,
     checkpoint_every: int = 0,
     masks: dict[str, torch.Tensor] | None = None,
+    on_step: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train ``model`` in place with :func:`train.loop.train`; returns loss/tokens facts.
 
@@ -167,7 +168,8 @@ def train_in_place(
     artifacts). With ``resume_dir`` and ``checkpoint_every``, the loop checkpoints there every
     n steps and resumes from the newest checkpoint it finds; the directory is deleted once
     training finishes. Otherwise the loop's scratch directory is temporary. ``masks`` (by
-    parameter name) keep those weights' zeros: their gradients are masked, then re-applied."""
+    parameter name) keep those weights' zeros: their gradients are masked, then re-applied.
+    ``on_step`` gets the loop's metrics row of every step (see :func:`train.loop.train`)."""
     from train.loop import train
 
     check_tokens(train_ids, seq_len, batch.effective_per_rank, who)
@@ -209,7 +211,8 @@ def train_in_place(
                 for name, mask in masks.items():
                     keep = mask.to(params[name].device, params[name].dtype)
                     hooks.append(params[name].register_hook(lambda g, keep=keep: g * keep))
-                result = train(model, train_ids.long(), loop, _eval_mode(loss_fn or causal_lm_loss), seq_len=seq_len)
+                result = train(model, train_ids.long(), loop, _eval_mode(loss_fn or causal_lm_loss), seq_len=seq_len,
+                               on_step=on_step)
         finally:
             for h in hooks:
                 h.remove()
@@ -266,6 +269,16 @@ def fingerprint(*modules: nn.Module | None) -> str:
     return h.hexdigest()[:16]
 
 
+def _step_events(progress: Callable[..., None], steps: int, who: str) -> Callable[[dict], None]:
+    """The loop's per-step metrics row as a ``train`` progress event (bar, callback, tracking)."""
+
+    def on_step(row: dict) -> None:
+        progress(row["step"], steps, phase="train", loss=row.get("loss"), tokens_per_s=row.get("tokens_per_s"),
+                 lr=row.get("lr"), grad_norm=row.get("grad_norm"), peak_mem_mib=row.get("peak_mem_mib"), who=who)
+
+    return on_step
+
+
 def finetune(
     model: nn.Module,
     cfg: FinetuneConfig,
@@ -277,13 +290,16 @@ def finetune(
     who: str = "finetune",
     log: Callable[[str], None] = print,
     work_dir: Path | None = None,
+    progress: Callable[..., None] | None = None,
 ) -> dict:
     """Fine-tune ``model`` in place as ``cfg`` says; returns JSON-serializable facts.
 
     ``loss: distill`` needs ``teacher``; ``loss_fn`` (``(model, batch) -> loss``) replaces the
     loss ``cfg`` would build, for stages with losses of their own. With ``work_dir`` and
     ``cfg.checkpoint_every_n_steps``, training checkpoints under ``work_dir`` (in a directory
-    keyed by the config, seed, model and teacher) and a re-run resumes from it."""
+    keyed by the config, seed, model and teacher) and a re-run resumes from it. ``progress`` is a
+    stage's ``ctx.progress``: it gets a ``train`` phase (begin, one event per step with the loss,
+    tokens/s, lr and peak memory, end), which draws the bar and feeds ``run_pipeline``'s callback."""
     from optimize.prune.records import sparse_masks
 
     built = None
@@ -298,6 +314,9 @@ def finetune(
         key = hashlib.sha256(json.dumps([cfg.model_dump(mode="json"), seed, who, fingerprint(model, teacher)],
                                         sort_keys=True).encode()).hexdigest()[:12]
         resume_dir = Path(work_dir) / f"{who}-train-{key}"
+    on_step = _step_events(progress, cfg.steps, who) if progress is not None else None
+    if progress is not None:
+        progress(0, cfg.steps, phase="train", event="begin", message=f"{who}: {cfg.steps} steps ({cfg.loss})")
     try:
         facts = train_in_place(
             model,
@@ -317,10 +336,13 @@ def finetune(
             resume_dir=resume_dir,
             checkpoint_every=cfg.checkpoint_every_n_steps,
             masks=masks,
+            on_step=on_step,
         )
     finally:
         if built is not None:
             built.close()
+    if progress is not None:
+        progress(cfg.steps, cfg.steps, phase="train", event="end", message=f"{who}: done")
     out = {"loss": cfg.loss, "micro_batch_size": cfg.batch.micro_batch_size,
            "grad_accum_steps": cfg.batch.grad_accum_steps, **facts}
     if "resumed_at_step" in out:

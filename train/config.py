@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from targets.config_base import Strict
 from train.sources import ModelSource
+from train.tracking import TrackingConfig
 
 
 class DataConfig(Strict):
@@ -277,6 +278,10 @@ class TrainRecipe(Strict):
     model: ModelSource = Field(description="model source: hf | gguf | bundled | random")
     data: DataConfig = Field(default_factory=DataConfig, description="training text")
     train: LoopConfig = Field(default_factory=LoopConfig, description="the training loop")
+    tracking: TrackingConfig | None = Field(
+        None, description="experiment tracking: tracking.mlflow records the recipe, per-step loss, tokens/s and "
+        "memory, and report.json in MLflow (the optional `tracking` extra)"
+    )
 
     @model_validator(mode="after")
     def _fits_the_context(self) -> "TrainRecipe":

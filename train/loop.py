@@ -147,17 +147,21 @@ def train(
     seq_len: int = 256,
     tokenizer=None,
     ctx: DistContext | None = None,
+    on_step: Callable[[dict], None] | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``data`` (1-D token ids, or 2-D windows of ``seq_len + 1``).
 
     Resumes from the newest complete checkpoint in ``cfg.output_dir/checkpoints`` when
     ``cfg.checkpoint.resume`` is set. Under torchrun with ``distributed.fsdp`` every rank
     calls this; the process group is created and destroyed here unless ``ctx`` is given.
+    ``on_step`` (rank 0 only) receives each step's metrics row as it is read back (``step``,
+    ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``, ``mfu``, ``peak_mem_mib``...; the fields
+    of ``train/metrics.py``), in bursts of ``logging.every_n_steps``: progress bars, tracking.
     """
     own_ctx = ctx is None
     ctx = ctx or init_distributed(cfg.device, cfg.distributed)
     try:
-        return _train(model, data, cfg, loss_fn, seq_len, tokenizer, ctx)
+        return _train(model, data, cfg, loss_fn, seq_len, tokenizer, ctx, on_step)
     finally:
         if own_ctx:
             teardown(ctx)
@@ -187,7 +191,8 @@ def _default_loss(cfg: LoopConfig) -> tuple[LossFn, str]:
     return (_compiled_causal_lm_loss() if compiled else causal_lm_loss), f"cross-entropy, full fp32 logits{suffix}"
 
 
-def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokenizer, ctx: DistContext) -> TrainResult:
+def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokenizer, ctx: DistContext,
+           on_step: Callable[[dict], None] | None = None) -> TrainResult:
     out_dir = Path(cfg.output_dir)
     ckpt_root = out_dir / "checkpoints"
     torch.manual_seed(cfg.seed)
@@ -258,6 +263,8 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
             row.update(tokens_per_s=tok_s, mfu=interval_mfu, peak_mem_mib=mem)
             losses[row["step"]] = row["loss"]
             metrics.log(row)
+            if on_step is not None and ctx.is_main:
+                on_step(dict(row, total_steps=cfg.max_steps))
 
     compiled = cfg.compile.enabled
     rate.restart()  # the clock starts with the first step

@@ -68,9 +68,15 @@ def parse_recipe(data: Any, where: str = "<recipe>", overrides: Sequence[str] = 
         raise RecipeError(f"{where}: a recipe must be a YAML mapping, got {type(data).__name__}")
     apply_overrides(data, overrides)
     try:
-        return TrainRecipe.model_validate(data)
+        recipe = TrainRecipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, where)) from None
+    from train.tracking import missing_package
+
+    missing = missing_package(recipe.tracking)
+    if missing:  # this machine lacks an optional package: one line, before anything loads
+        raise RecipeError(f"{where}: tracking.mlflow: {missing}")
+    return recipe
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> TrainRecipe:

@@ -51,8 +51,14 @@ def _group_error(
     for i, w in enumerate(weights):
         ref = refs[i] if refs is not None else x @ w.t()
         out = xs @ qdq_weight(w * s_cols, scheme).t()
-        err += float((out - ref).pow(2).sum())
+        err += float((out - ref).double().pow(2).sum())  # float64: the same sum (and choice) on every CPU path
     return err
+
+
+#: relative error difference below which two exponents count as equally good (see search_group)
+TIE = 1e-6
+#: scales are powers of two in steps of 1/SNAP octave (see search_group)
+SNAP = 4096
 
 
 @torch.no_grad()
@@ -61,18 +67,25 @@ def search_group(
     grid: tuple[float, ...] = DEFAULT_GRID,
 ) -> tuple[float, torch.Tensor, float, float]:
     """Best exponent for one group: returns ``(alpha, scales per source channel, err_rtn, err_best)``."""
-    base = reduce(g, absmean.float()).clamp_min(1e-6)
-    best = (0.0, torch.ones_like(base), float("inf"))
+    base = reduce(g, absmean.double()).clamp_min(1e-6)
     err_rtn = float("nan")
     refs = [x @ w.t() for w in weights]
+    tried = []
     for alpha in grid:
         s = base.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (AWQ's normalisation)
+        # snapped to 2^(k/4096) (0.02% steps), in float64: the activation statistics carry the CPU
+        # path's last bits, and a scale one fp32 ulp apart would move the folded weights and every
+        # rounding decision after them; a snapped scale almost never lands on the other side
+        s = torch.exp2(torch.round(torch.log2(s) * SNAP) / SNAP).float()
         err = _group_error(x, weights, expand(g, s), scheme, refs)
         if alpha == 0.0:
             err_rtn = err
-        if err < best[2]:
-            best = (alpha, s, err)
+        tried.append((alpha, s, err))
+    # the first exponent within TIE of the lowest error: two exponents whose errors differ only by
+    # the host's rounding must not be chosen between by it (the choice moves every later weight)
+    lowest = min(e for _, _, e in tried)
+    best = next(t for t in tried if t[2] <= lowest * (1 + TIE))
     if err_rtn != err_rtn:  # grid without 0: measure RTN for the report
         err_rtn = _group_error(x, weights, x.new_ones(x.shape[1]), scheme, refs)
     return best[0], best[1], err_rtn, best[2]

@@ -214,17 +214,21 @@ def collect_stats(
 
     def hook(key: str):
         def fn(_mod, args):
-            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            x = args[0].detach()
+            # a float64 calibration (optimize.quant.host_independent) keeps its precision in the
+            # statistics: rounded to fp32 here, a last-bit difference between CPU paths would reach
+            # the scales derived from them
+            x = (x if x.dtype == torch.float64 else x.float()).reshape(-1, x.shape[-1])
             st = stats.get(key)
             if st is None:  # statistics stay where the activations are (the model's device)
-                st = stats[key] = ActStats(x.new_zeros(x.shape[1]), x.new_zeros(x.shape[1]))
+                st = stats[key] = ActStats(x.new_zeros(x.shape[1]), x.new_zeros(x.shape[1], dtype=torch.float64))
             st.absmax = torch.maximum(st.absmax, x.abs().amax(0))
-            st.absmean_sum += x.abs().sum(0)
+            st.absmean_sum += x.abs().double().sum(0)  # float64: the same sum on every CPU path
             st.tokens += x.shape[0]
             if per_window:
                 # the rows picked on the CPU, so every device samples the same ones
                 idx = torch.linspace(0, x.shape[0] - 1, min(per_window, x.shape[0])).long().to(x.device)
-                st.samples.append(x[idx].clone())
+                st.samples.append(x[idx].float())
 
         return fn
 

@@ -87,8 +87,12 @@ def qdq_weight(w: torch.Tensor, scheme: WeightScheme, scale: torch.Tensor | None
 
 
 def qdq_act_per_token(x: torch.Tensor) -> torch.Tensor:
-    """Asymmetric int8 per token (last dim), as torchao's dynamic activation quantization."""
-    xf = x.float()
+    """Asymmetric int8 per token (last dim), as torchao's dynamic activation quantization.
+
+    fp32 arithmetic, as the kernels run it; a float64 input (a host-independent calibration,
+    :mod:`optimize.quant.host_independent`) stays float64, so the CPU path's last bits in it do not
+    reach the rounding through a cast to fp32."""
+    xf = x if x.dtype == torch.float64 else x.float()
     mn = xf.amin(dim=-1, keepdim=True).clamp(max=0)
     mx = xf.amax(dim=-1, keepdim=True).clamp(min=0)
     scale = ((mx - mn) / 255.0).clamp_min(_EPS)

@@ -14,8 +14,17 @@ does not lower. Here the result is torchao's ``IntxUnpackedToInt8Tensor`` built 
 lowers to XNNPACK unchanged: symmetric scales, zero points 0, groups of 32·k input channels.
 
 Group scales are fixed before the error feedback starts ("static groups", from the original
-weights by ``max|w|`` or HQQ's search), which keeps the groups aligned to XNNPACK's blocks
-even when columns are visited in activation order (``act_order``, most-used columns first).
+weights by ``max|w|``, HQQ's search, or a clip search), which keeps the groups aligned to XNNPACK's
+blocks even when columns are visited in activation order (``act_order``, most-used columns first).
+The clip search shrinks each group's ``max|w|`` scale over a grid and keeps the factor with the
+lowest error: the weight's own rounding error (``mse``), or the output error on the calibration
+inputs, each input column's squared error weighted by ``diag(H) = sum x_j^2`` (``output_mse``,
+AWQ's clip search in closed form).
+
+The damping added to ``H`` is a fixed fraction of its mean diagonal, or chosen per layer
+(``damp="auto"``): every value of :data:`DAMP_LADDER` runs GPTQ (on a sample of the rows for a
+large layer) and the one with the lowest output error against the *undamped* Hessian is kept;
+a value whose Cholesky factorisation fails is skipped (and the ladder continues upward).
 """
 
 from __future__ import annotations
@@ -29,9 +38,19 @@ from torch import nn
 from optimize.device import model_device, on_device
 from optimize.quant.block_inputs import BlockChain
 from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight, weight_scales
+from optimize.quant.host_independent import computing_in
 from train.model_parts import block_of, decoder_blocks
 
-ScaleInit = Literal["absmax", "hqq", "mse"]
+ScaleInit = Literal["absmax", "hqq", "mse", "output_mse"]
+Damp = float | Literal["auto"]
+
+#: the damping fractions ``damp="auto"`` tries per layer; :data:`DAMP_FALLBACK` only when every
+#: one of them fails to factorise
+DAMP_LADDER = (0.001, 0.003, 0.01, 0.03, 0.1)
+DAMP_FALLBACK = (0.3, 0.9)
+#: ``damp="auto"`` compares the ladder on at most this many rows of a layer (evenly spaced); a layer
+#: with no more rows keeps the winning candidate's integers as they are (no extra pass)
+AUTO_DAMP_ROWS = 256
 
 
 @dataclass
@@ -43,36 +62,54 @@ class GptqLayerResult:
     #: ||X W^T - X Q^T||^2 / ||X W^T||^2 on the calibration inputs (via the Hessian), RTN vs GPTQ
     rel_error_rtn: float
     rel_error_gptq: float
+    #: the damping fraction used (the chosen one with ``damp="auto"``)
+    damp: float = 0.01
 
     def dequantized(self) -> torch.Tensor:
         gs = self.q.shape[1] // self.scale.shape[1]
         return (self.q.float().view(self.q.shape[0], -1, gs) * self.scale.unsqueeze(-1)).view(self.q.shape)
 
     def to(self, device: torch.device) -> "GptqLayerResult":
-        return GptqLayerResult(self.q.to(device), self.scale.to(device), self.rel_error_rtn, self.rel_error_gptq)
+        return GptqLayerResult(self.q.to(device), self.scale.to(device), self.rel_error_rtn, self.rel_error_gptq,
+                               self.damp)
 
 
-def _mse_scales(w: torch.Tensor, scheme: WeightScheme, grid: int = 20, min_shrink: float = 0.75) -> torch.Tensor:
-    """Per-group scales that minimise the weight's own rounding error over shrunk ranges."""
+def _mse_scales(w: torch.Tensor, scheme: WeightScheme, grid: int = 20, min_shrink: float = 0.75,
+                col_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-group scales that minimise the rounding error over shrunk ranges: the weight's own
+    (``col_weight`` None), or each input column's squared error weighted by ``col_weight``
+    (``[in]``; ``diag(H)`` makes it the output error on the calibration inputs, cross terms
+    within a group left out). One pass per grid point over all groups at once."""
     base = weight_scales(w, scheme)  # [out, g]
     gs = w.shape[1] // base.shape[1]
     wg = w.float().view(w.shape[0], -1, gs)
+    cw = None if col_weight is None else col_weight.float().to(w.device).view(1, -1, gs)
     qmin, qmax = scheme.qrange
-    best, best_err = base.clone(), torch.full_like(base, float("inf"))
+    best, best_err = base.clone(), torch.full_like(base, float("inf"), dtype=torch.float64)
     for k in range(grid + 1):
         s = base * (1.0 - (1.0 - min_shrink) * k / grid)
         q = torch.clamp(torch.round(wg / s.unsqueeze(-1)), qmin, qmax)
-        err = (q * s.unsqueeze(-1) - wg).pow(2).sum(-1)
+        sq = (q * s.unsqueeze(-1) - wg).pow(2)
+        # summed in float64: an fp32 sum's order follows the CPU's vector path, and near-equal
+        # candidates would then be chosen between by the host
+        err = (sq if cw is None else sq * cw).double().sum(-1)
         better = err < best_err
         best = torch.where(better, s, best)
         best_err = torch.where(better, err, best_err)
     return best
 
 
-def initial_scales(w: torch.Tensor, scheme: WeightScheme, how: ScaleInit) -> torch.Tensor:
-    """Group scales from the original weights: torchao's ``max|w|`` rule, HQQ's search, or an MSE clip search."""
+def initial_scales(w: torch.Tensor, scheme: WeightScheme, how: ScaleInit,
+                   col_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Group scales from the original weights: torchao's ``max|w|`` rule, HQQ's search, or a clip
+    search on the weight's rounding error (``mse``) or on the output error (``output_mse``, which
+    needs ``col_weight``: the Hessian's diagonal, ``[in]``)."""
     if how == "mse":
         return _mse_scales(w, scheme)
+    if how == "output_mse":
+        if col_weight is None or col_weight.shape != (w.shape[1],):
+            raise ValueError("scale_init output_mse needs the Hessian's diagonal (one weight per input column)")
+        return _mse_scales(w, scheme, col_weight=col_weight)
     algo = "hqq" if how == "hqq" else "rtn"
     return weight_scales(w, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8, algo))
 
@@ -88,52 +125,86 @@ def _quadratic_error(delta: torch.Tensor, h: torch.Tensor) -> float:
 CHUNK_BYTES = 256 * 2**20
 
 
+def _check_damp(damp: Damp) -> None:
+    if isinstance(damp, str):
+        if damp != "auto":
+            raise ValueError(f"damp={damp!r} must be a number in (0, 1) or 'auto'")
+    elif not 0.0 < damp < 1.0:
+        raise ValueError(f"damp={damp} must lie in (0, 1)")
+
+
+def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``; raises LinAlgError if not PD."""
+    hd = h + damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
+    if not bool(torch.isfinite(hinv).all()):
+        raise torch.linalg.LinAlgError("non-finite inverse Hessian factor")
+    return hinv
+
+
 @torch.no_grad()
 def gptq_layer(
     weight: torch.Tensor,
     hessian: torch.Tensor,
     scheme: WeightScheme,
     *,
-    damp: float = 0.01,
+    damp: Damp = 0.01,
     block_size: int = 128,
     act_order: bool = True,
     scale_init: ScaleInit = "absmax",
     rows_per_chunk: int | None = None,
+    damp_ladder: tuple[float, ...] = DAMP_LADDER,
 ) -> GptqLayerResult:
     """Quantize one ``[out, in]`` weight with GPTQ against ``hessian`` (``[in, in]``, ``sum x x^T``).
 
     The Hessian's inverse is factored once; the rows then go through GPTQ a chunk at a time
     (``rows_per_chunk``, default: :data:`CHUNK_BYTES` of float64 per working matrix), which gives
-    the same integers as all rows at once, with a bounded working set."""
+    the same integers as all rows at once, with a bounded working set.
+
+    ``damp="auto"`` tries every fraction of ``damp_ladder`` (the module docstring) and keeps the
+    one whose GPTQ output error on the undamped Hessian is lowest; the result's ``damp`` says which."""
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
-    if not 0.0 < damp < 1.0:
-        raise ValueError(f"damp={damp} must lie in (0, 1)")
+    _check_damp(damp)
     out_f, in_f = weight.shape
     gs = scheme.group_size or in_f
     if in_f % gs:
         raise ValueError(f"group_size={gs} does not divide in_features={in_f}")
 
     h = hessian.detach().double().clone()
+    col_weight = torch.diag(h).clamp_min(0.0).float() if scale_init == "output_mse" else None
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     h_ref = h.clone()
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f, device=h.device)
     inv_perm = torch.argsort(perm)
     h = h[perm][:, perm]
-    h += damp * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype, device=h.device)
-    try:
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    except torch.linalg.LinAlgError as exc:  # pragma: no cover - damp makes H positive definite in practice
-        raise ValueError(f"GPTQ: the Hessian is not positive definite even with damp={damp}; raise damp") from exc
+
+    def scales_of(w_orig: torch.Tensor) -> torch.Tensor:
+        return initial_scales(w_orig, scheme, scale_init, col_weight)
+
+    done = None  # (q, scale) of every row when the ladder already ran on all of them
+    if damp == "auto":
+        damp, hinv, done = _auto_damp(weight, h, h_ref, scheme, dead, perm, inv_perm, gs, block_size, scales_of,
+                                      damp_ladder)
+    else:
+        try:
+            hinv = _inverse_factor(h, damp)
+        except torch.linalg.LinAlgError as exc:  # pragma: no cover - damp makes H positive definite in practice
+            raise ValueError(f"GPTQ: the Hessian is not positive definite even with damp={damp}; raise damp "
+                             "(or use damp: auto)") from exc
     del h
 
-    rows = rows_per_chunk or max(1, CHUNK_BYTES // (in_f * 8))
+    rows = out_f if done is not None else (rows_per_chunk or max(1, CHUNK_BYTES // (in_f * 8)))
     qs, scales = [], []
     ref = err_rtn = err_gptq = 0.0
     for r0 in range(0, out_f, rows):
         w_orig = weight.detach()[r0 : r0 + rows].float()
-        q, scale = _gptq_rows(w_orig, scheme, hinv, dead, perm, inv_perm, gs, block_size, scale_init)
+        if done is not None:
+            q, scale = done
+        else:
+            scale = scales_of(w_orig)
+            q = _gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs, block_size, scale)[0]
         # errors on the undamped Hessian: what the calibration inputs actually see
         w64 = w_orig.double()
         ref += _quadratic_error(w64, h_ref)
@@ -145,36 +216,84 @@ def gptq_layer(
         scales.append(scale.float())
     denom = max(ref, 1e-30)
     return GptqLayerResult(q=torch.cat(qs), scale=torch.cat(scales), rel_error_rtn=err_rtn / denom,
-                           rel_error_gptq=err_gptq / denom)
+                           rel_error_gptq=err_gptq / denom, damp=float(damp))
+
+
+def _auto_damp(weight: torch.Tensor, h: torch.Tensor, h_ref: torch.Tensor, scheme: WeightScheme,
+               dead: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor, gs: int, block_size: int,
+               scales_of: Callable[[torch.Tensor], torch.Tensor], ladder: tuple[float, ...],
+               ) -> tuple[float, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``damp="auto"``: GPTQ with every damping fraction of ``ladder`` on (a sample of) the rows,
+    all candidates in one column loop; returns the damp with the lowest output error on ``h_ref``,
+    its inverse factor, and (q, scale) of every row when the sample was every row.
+
+    ``h`` is the permuted, undamped Hessian. Fractions whose factorisation fails are skipped; if all
+    do, :data:`DAMP_FALLBACK` is tried. Memory: the candidates' inverse factors go a group at a
+    time (:data:`CHUNK_BYTES`), the sample holds at most :data:`AUTO_DAMP_ROWS` rows and
+    :data:`CHUNK_BYTES` per working matrix across the candidates of a group."""
+    out_f, in_f = weight.shape
+    per_group = max(1, min(len(ladder), CHUNK_BYTES // (in_f * in_f * 8)))
+    n = max(1, min(out_f, AUTO_DAMP_ROWS, CHUNK_BYTES // (per_group * in_f * 8)))
+    idx = None if n == out_f else (torch.arange(n, device=weight.device) * out_f) // n  # evenly spaced rows
+    w_s = (weight.detach() if idx is None else weight.detach()[idx]).float()
+    scale = scales_of(w_s)
+    w64 = w_s.double()
+    best: tuple[float, float, torch.Tensor, torch.Tensor] | None = None  # (error, damp, hinv, q)
+    for candidates in (tuple(ladder), DAMP_FALLBACK):
+        for g0 in range(0, len(candidates), per_group):
+            ok, hinvs = [], []
+            for d in candidates[g0 : g0 + per_group]:
+                try:
+                    hinvs.append(_inverse_factor(h, d))
+                    ok.append(d)
+                except torch.linalg.LinAlgError:
+                    continue
+            if not ok:
+                continue
+            qc = _gptq_rows(w_s, scheme, torch.stack(hinvs), dead, perm, inv_perm, gs, block_size, scale)
+            dq_scale = scale.double().repeat_interleave(gs, dim=1)
+            for d, hinv, q in zip(ok, hinvs, qc):
+                err = _quadratic_error(q * dq_scale - w64, h_ref)
+                if best is None or err < best[0]:
+                    best = (err, d, hinv, q)
+            del qc, hinvs
+        if best is not None:
+            break
+    if best is None:
+        raise ValueError(f"GPTQ: the Hessian is not positive definite with any damp in {ladder + DAMP_FALLBACK}")
+    _, d, hinv, q = best
+    return d, hinv, ((q, scale) if idx is None else None)
 
 
 def _gptq_rows(w_orig: torch.Tensor, scheme: WeightScheme, hinv: torch.Tensor, dead: torch.Tensor,
                perm: torch.Tensor, inv_perm: torch.Tensor, gs: int, block_size: int,
-               scale_init: ScaleInit) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ's column loop over some rows of the weight: (integers as float64 in input order, scales)."""
+               scale: torch.Tensor) -> torch.Tensor:
+    """GPTQ's column loop over some rows of the weight, once per inverse factor in ``hinv``
+    (``[C, in, in]``, permuted; candidates of ``damp="auto"`` share one loop): the integers as
+    float64 in input order, ``[C, rows, in]``. ``scale`` (``[rows, n_groups]``) is fixed."""
     qmin, qmax = scheme.qrange
-    in_f = w_orig.shape[1]
-    scale = initial_scales(w_orig, scheme, scale_init)  # [rows, n_groups]
+    n_c, in_f = hinv.shape[0], w_orig.shape[1]
     w = w_orig.double().clone()
     w[:, dead] = 0.0
-    w = w[:, perm]
+    w = w[:, perm].unsqueeze(0).repeat(n_c, 1, 1)  # [C, rows, in]
     col_scale = scale.double().repeat_interleave(gs, dim=1)[:, perm]  # each column's group scale
     q = torch.zeros_like(w)
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
-        w1 = w[:, i1:i2].clone()
+        w1 = w[:, :, i1:i2].clone()
         err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
+        hinv1 = hinv[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
-            col = w1[:, i]
+            col = w1[:, :, i]
             s = col_scale[:, i1 + i]
             qi = torch.clamp(torch.round(col / s), qmin, qmax)
-            q[:, i1 + i] = qi
-            e = (col - qi * s) / hinv1[i, i]
-            w1[:, i:] -= e.unsqueeze(1) * hinv1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    return q[:, inv_perm], scale
+            q[:, :, i1 + i] = qi
+            e = (col - qi * s) / hinv1[:, i, i].unsqueeze(1)
+            w1[:, :, i:] -= e.unsqueeze(2) * hinv1[:, i, i:].unsqueeze(1)
+            err1[:, :, i] = e
+        for c in range(n_c):  # one 2-D product per candidate: the same float path as a single one
+            w[c, :, i2:] -= err1[c] @ hinv[c, i1:i2, i2:]
+    return q[:, :, inv_perm]
 
 
 class HessianCollector:
@@ -193,7 +312,8 @@ class HessianCollector:
         last = self._last
         if last is not None and last[0] is inp and last[1] == inp._version:
             return last[2]
-        x = inp.detach().float().reshape(-1, inp.shape[-1])
+        x = inp.detach()
+        x = (x if x.dtype == torch.float64 else x.float()).reshape(-1, inp.shape[-1])  # float64 calibration stays so
         if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
             x = qdq_act(x, self.scheme)
         x = x.double()
@@ -252,7 +372,18 @@ class GptqRunResult:
             "mean_rel_output_error_rtn": round(sum(rtn) / n, 6),
             "mean_rel_output_error_gptq": round(sum(gq) / n, 6),
             "output_error_reduction": round(1.0 - sum(gq) / max(sum(rtn), 1e-30), 4),
+            "damp_counts": _counts(r.damp for r in self.layers.values()),
+            "damp_by_projection": {kind: _counts(r.damp for n, r in self.layers.items() if n.rsplit(".", 1)[-1] == kind)
+                                   for kind in sorted({n.rsplit(".", 1)[-1] for n in self.layers})},
         }
+
+
+def _counts(values) -> dict[str, int]:
+    """How many layers used each damping fraction, smallest first (keys as ``f"{d:g}"``)."""
+    out: dict[float, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return {f"{k:g}": out[k] for k in sorted(out)}
 
 
 @torch.no_grad()
@@ -261,12 +392,43 @@ def gptq_model(
     targets: dict[str, WeightScheme],
     windows: list[torch.Tensor],
     *,
-    damp: float = 0.01,
+    damp: Damp = 0.01,
     block_size: int = 128,
     act_order: bool = True,
     scale_init: ScaleInit = "absmax",
     log: Callable[[str], None] | None = None,
     device: torch.device | None = None,
+    progress: Callable[..., None] | None = None,
+    calibration_dtype: torch.dtype | None = None,
+) -> GptqRunResult:
+    """Sequential GPTQ over the named Linears, with the calibration forward in ``calibration_dtype``.
+
+    ``calibration_dtype`` (e.g. float64): the model is cast to it for the calibration forwards
+    and back to its own dtype afterwards (both casts exact: fp32/bf16 values are float64 values,
+    and the installed weights are GPTQ's grid values). Why: in fp32 the activations that build the
+    Hessians differ in their last bits between the CPU's vector paths (``ATEN_CPU_CAPABILITY``
+    default/avx2/avx512), GPTQ's rounding decisions follow them, and 19% of SmolLM2's int4 weights
+    (its first six blocks) came out different between two paths of one machine; with the forward
+    in float64, none did (:mod:`optimize.quant.host_independent`). See :func:`_gptq_model` for the
+    algorithm.
+    """
+    with computing_in(model, calibration_dtype):
+        return _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
+                           scale_init=scale_init, log=log, device=device, progress=progress)
+
+
+def _gptq_model(
+    model: nn.Module,
+    targets: dict[str, WeightScheme],
+    windows: list[torch.Tensor],
+    *,
+    damp: Damp = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    scale_init: ScaleInit = "absmax",
+    log: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
+    progress: Callable[..., None] | None = None,
 ) -> GptqRunResult:
     """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
 
@@ -317,6 +479,8 @@ def gptq_model(
             result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
         if log:
             log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
+        if progress:  # a bar (step = block) on a terminal, an event for a run_pipeline callback
+            progress(len(result.steps) + 1, len(order), phase="gptq", message=str(label), layers=len(names))
         result.steps.append(label)
 
     chain = BlockChain.capture(model, blocks, windows) if blocks and any(b is not None for b in order) else None

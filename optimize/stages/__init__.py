@@ -3,7 +3,7 @@ package registers them all. Add a new stage by adding its module to ``BUILTIN`` 
 
 import importlib
 
-BUILTIN = ["ptq_int8", "rmsnorm", "gqa", "smoothquant", "awq", "distill", "qat", "prune"]
+BUILTIN = ["ptq_int8", "rmsnorm", "gqa", "rotate", "smoothquant", "awq", "distill", "qat", "prune"]
 
 for _name in BUILTIN:
     importlib.import_module(f"optimize.stages.{_name}")

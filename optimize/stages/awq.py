@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from torch import nn
 
+from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE
+from optimize.quant.host_independent import CalibrationDtype
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._preflight import fold_problems, with_meta_model
@@ -52,6 +54,7 @@ class AwqConfig(StageConfig):
         description="module patterns the following stage leaves fp32 (their error is not counted); "
         "match ptq_int8's keep_high_precision",
     )
+    calibration_dtype: CalibrationDtype = Field("auto", description=CALIBRATION_DTYPE)
     exactness: ExactnessConfig = Field(
         default_factory=ExactnessConfig,
         description="how the fold is proven exact: logits before vs after on calibration windows; the "
@@ -98,6 +101,7 @@ class AwqConfig(StageConfig):
 def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     """Activation-aware (AWQ) per-channel scaling for int4 weights, searched on calibration text and folded exactly."""
     from optimize.quant.awq import awq_scale
+    from optimize.quant.host_independent import computing_in, resolve
     from optimize.quant.fakequant import scheme_for
     from optimize.stages._select import select_modules, unmatched_patterns
 
@@ -112,8 +116,9 @@ def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     was_training = model.training
     model.eval()
     probe = ExactnessProbe.before(model, probe_windows(ctx.calibration, cfg.exactness), cfg.exactness)
-    res = awq_scale(model, windows, scheme_for(cfg.scheme, cfg.group_size, _ALGO[cfg.weight_qparams]), folds=tuple(cfg.folds),
-                    rows=cfg.rows, grid=grid, skip=frozenset(skip_sel))
+    with computing_in(model, resolve(model, cfg.calibration_dtype, ctx.device)) as calib_dtype:
+        res = awq_scale(model, windows, scheme_for(cfg.scheme, cfg.group_size, _ALGO[cfg.weight_qparams]),
+                        folds=tuple(cfg.folds), rows=cfg.rows, grid=grid, skip=frozenset(skip_sel))
     exact = probe.after(model, f"awq (folds {', '.join(cfg.folds)})")
     model.train(was_training)
     alphas = list(res.alphas.values())
@@ -122,6 +127,7 @@ def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
             "scheme": cfg.scheme,
             "group_size": cfg.group_size,
             "weight_qparams": cfg.weight_qparams,
+            "calibration_dtype_used": calib_dtype,
             "groups": res.groups,
             "groups_rescaled": sum(a > 0 for a in alphas),
             "mean_alpha": round(sum(alphas) / max(len(alphas), 1), 3),

@@ -105,9 +105,10 @@ def resolve_teacher(model: nn.Module, source, ctx: StageContext, who: str) -> nn
 
 def run_training(model: nn.Module, cfg: TrainingStageConfig, ctx: StageContext, teacher: nn.Module | None, who: str,
                  loss_fn=None) -> dict:
-    """Fine-tune ``model`` in place with the stage's settings: KL to ``teacher`` (loss: distill) or LM loss."""
+    """Fine-tune ``model`` in place with the stage's settings: KL to ``teacher`` (loss: distill) or LM loss.
+    Each training step is reported through ``ctx.progress`` (phase ``train``: step, loss, tokens/s, ETA)."""
     return finetune(model, cfg, ctx.train_ids, teacher=teacher, loss_fn=loss_fn, seed=ctx.seed, who=who,
-                    log=ctx.log, work_dir=ctx.work_dir)
+                    log=ctx.log, work_dir=ctx.work_dir, progress=ctx.progress)
 
 
 def _blocks(m: nn.Module) -> int:

@@ -65,7 +65,8 @@ def gqa(model: nn.Module, cfg: GQAConfig, ctx: StageContext) -> nn.Module:
         f"{before.kv_bytes_per_token} -> {after.kv_bytes_per_token} bytes/token"
     )
     if cfg.heal is not None:
-        facts["heal"] = finetune(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, who="heal", log=ctx.log)
+        facts["heal"] = finetune(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, who="heal", log=ctx.log,
+                                 progress=ctx.progress)
     del teacher
     ctx.details.update(facts)
     return model

@@ -10,11 +10,13 @@ class. Why the defaults are what they are: see the stage's docstring.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE
+from optimize.quant.host_independent import CalibrationDtype
 from optimize.stage_api import StageConfig
 from optimize.stages.ptq_plan import LayerPlan, plan
 from targets.config_base import Strict
@@ -29,15 +31,44 @@ DEFAULT_EMBEDDING_GROUP_SIZE = 32
 class GptqOptions(Strict):
     """GPTQ settings (``algorithm: gptq``); see :mod:`optimize.quant.gptq`."""
 
-    scale_init: Literal["mse", "absmax", "hqq"] = Field(
+    scale_init: Literal["mse", "absmax", "hqq", "output_mse"] = Field(
         "mse",
         description="how each group's scale is fixed before the error feedback: mse (clip search that "
-        "minimises the group's rounding error; best on SmolLM2), absmax (torchao's max|w| rule), hqq",
+        "minimises the group's rounding error; best on SmolLM2), absmax (torchao's max|w| rule), hqq, "
+        "output_mse (clip search that minimises the output error on the calibration inputs: each input "
+        "column's squared error weighted by the Hessian's diagonal, as AWQ's clip search)",
     )
     act_order: bool = Field(True, description="quantize the most-used input columns first (static groups keep XNNPACK's layout)")
-    damp: float = Field(0.01, gt=0, lt=1, description="fraction of the mean Hessian diagonal added for stability")
+    damp: Annotated[float, Field(gt=0, lt=1)] | Literal["auto"] = Field(
+        0.01,
+        description="fraction of the mean Hessian diagonal added for stability, in (0, 1); or auto: per layer, "
+        "the fraction of 0.001, 0.003, 0.01, 0.03, 0.1 whose GPTQ output error on the undamped Hessian is "
+        "lowest (skipping any that does not factorise; the stage's details count the choices)",
+    )
     block_size: int = Field(128, ge=1, le=4096, description="columns updated together (speed only; same result)")
-    calibration_windows: int = Field(8, ge=1, le=256, description="at most this many calibration windows build the Hessians")
+    calibration_dtype: CalibrationDtype = Field("auto", description=CALIBRATION_DTYPE)
+    calibration_windows: int = Field(
+        8, ge=1, le=256,
+        description="at most this many calibration windows build the Hessians (needs data.calibration_tokens >= "
+        "windows x seq_len); 8 is the default, the SmolLM2 demo recipe (examples/smollm2.yaml) uses 32 "
+        "windows of 512 tokens: GPTQ's rounding follows the host's float paths and more windows steady it",
+    )
+
+    @field_validator("damp", mode="before")
+    @classmethod
+    def _damp(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip() != "auto":
+            try:  # a number given as text (a key=value override) stays a number
+                v = float(v)
+            except ValueError:
+                raise ValueError(f"damp must be a number in (0, 1) or 'auto', got {v!r}") from None
+        elif isinstance(v, str):
+            return "auto"
+        if isinstance(v, bool):
+            raise ValueError(f"damp must be a number in (0, 1) or 'auto', got {v!r}")
+        if isinstance(v, (int, float)) and not 0 < v < 1:
+            raise ValueError(f"damp must lie in (0, 1) (a fraction of the mean Hessian diagonal) or be 'auto', got {v}")
+        return v
 
 
 class Ptq8Config(StageConfig):

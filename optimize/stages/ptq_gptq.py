@@ -49,6 +49,7 @@ def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: li
     """Run GPTQ over the int4 (``four``) and int8 (``eight``) Linears and install the results;
     returns the details for the report."""
     from optimize.quant.gptq import gptq_model
+    from optimize.quant.host_independent import resolve
 
     if not ctx.calibration:
         raise ValueError("ptq_int8: algorithm gptq needs calibration text; set data.calibration_tokens > 0")
@@ -56,10 +57,17 @@ def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: li
     targets = {n: _weight_scheme(cfg, False) for n in four} | {n: _weight_scheme(cfg, True) for n in eight}
     was_training = model.training
     model.eval()
+    calib_dtype = resolve(model, opts.calibration_dtype, ctx.device)
+    ctx.progress(phase="gptq", event="begin")
     res = gptq_model(model, targets, ctx.calibration[: opts.calibration_windows], damp=opts.damp,
                      block_size=opts.block_size, act_order=opts.act_order, scale_init=opts.scale_init, log=ctx.log,
-                     device=ctx.device)
+                     device=ctx.device, progress=ctx.progress, calibration_dtype=calib_dtype)
+    ctx.progress(phase="gptq", event="end")
     model.train(was_training)
+    summary = res.summary()
+    if opts.damp == "auto" and ctx.log:
+        ctx.log(f"gptq damp auto: layers per chosen damp {summary['damp_counts']}")
     for name, r in res.layers.items():
         _install(model.get_submodule(name), r, targets[name].bits)
-    return {**res.summary(), **opts.model_dump()}
+    used = calib_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {**summary, **opts.model_dump(), "calibration_dtype_used": str(used).removeprefix("torch.")}

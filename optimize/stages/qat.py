@@ -146,11 +146,15 @@ def qat(model: nn.Module, cfg: QatConfig, ctx: StageContext) -> nn.Module:
     groups = [(linear_config(pcfg), set(p["selected"]) - eight)]
     if eight:
         groups.append((linear_config(pcfg.model_copy(update={"scheme": "8da8w", "group_size": None})), eight))
+    ctx.progress(phase="prepare", event="begin", message=f"qat: fake-quantizing {len(p['selected'])} Linear layers")
     for base, names in groups:
         quantize_(model, QATConfig(base, step="prepare"), filter_fn=_only(names))
-    facts = run_training(model, cfg, ctx, teacher, "qat")
+    ctx.progress(phase="prepare", event="end")
+    facts = run_training(model, cfg, ctx, teacher, "qat")  # progress: phase "train", one event per step
+    ctx.progress(phase="convert", event="begin", message=f"qat: converting to {scheme}")
     for base, names in groups:
         quantize_(model, QATConfig(base, step="convert"), filter_fn=_only(names))
+    ctx.progress(phase="convert", event="end")
 
     untied = was_tied and not is_tied(in_emb, out_emb)
     if untied:

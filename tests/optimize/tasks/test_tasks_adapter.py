@@ -1,0 +1,124 @@
+"""RunnerLM (our lm-eval LM over a Runner) gives lm-eval's own HFLM log-likelihoods on the same model.
+
+Tolerance: 1e-4 absolute on every summed log-likelihood (nats; the sums here reach a few hundred,
+HFLM sums float32 log-probs, we float64), and identical greedy flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="pip install 'lm-eval==0.4.13'")
+
+from export.runtime import EagerRunner  # noqa: E402
+from optimize.tasks.data import missing_packages  # noqa: E402
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from tests.conftest import TINY_LLAMA
+    from train.sources import RandomSource, load_model
+
+    loaded = load_model(RandomSource(config={**TINY_LLAMA, "initializer_range": 0.2}, seed=0))
+    return loaded.model.eval(), loaded.tokenizer
+
+
+def _hflm(model, tok, **kw):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu", **kw)
+
+
+def _task_requests(names, n):
+    from lm_eval.tasks import TaskManager
+
+    from optimize.tasks.data import task_config
+
+    loaded = TaskManager(include_defaults=False).load([task_config(t, head=n) for t in names])
+    reqs = []
+    for task in loaded["tasks"].values():
+        task.set_config(key="num_fewshot", value=0)
+        task.build_all_requests(limit=n, rank=0, world_size=1)
+        reqs += task.instances
+    return reqs
+
+
+def _same(ours, ref):
+    assert len(ours) == len(ref)
+    diff = max(abs(a[0] - b[0]) for a, b in zip(ours, ref))
+    assert diff < TOL, f"max |ours - HFLM| = {diff:.3g} nats"
+    assert [a[1] for a in ours] == [b[1] for b in ref]
+    return diff
+
+
+@pytest.mark.skipif(bool(missing_packages()), reason="; ".join(missing_packages()))
+def test_task_requests_equal_hflm(tiny_lm):
+    from optimize.tasks.adapter import RunnerLM
+
+    model, tok = tiny_lm
+    reqs = _task_requests(["arc_easy", "hellaswag", "winogrande", "piqa", "boolq"], 2)
+    assert len(reqs) >= 20
+    ours = RunnerLM(EagerRunner(model), tok, max_length=1024).loglikelihood(reqs, disable_tqdm=True)
+    ref = _hflm(model, tok, max_length=1024).loglikelihood(reqs, disable_tqdm=True)
+    _same(ours, ref)
+
+
+def test_empty_context_truncation_greedy_and_rolling_equal_hflm(tiny_lm):
+    from optimize.tasks.adapter import RunnerLM, loglikelihoods
+
+    model, tok = tiny_lm
+    ours_lm = RunnerLM(EagerRunner(model), tok, max_length=32)
+    hf = _hflm(model, tok, max_length=32)
+    long_ctx = "The quick brown fox jumps over the lazy dog. " * 8  # > 32 tokens: truncated from the left
+    pairs = [("", "Hello world"), ("Question: is it?\nAnswer:", " yes"), ("Question: is it?\nAnswer:", " no"),
+             (long_ctx, " And then it ran away."), ("trailing space ", "moves")]
+    from lm_eval.api.instance import Instance
+
+    inst = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
+    _same(loglikelihoods(ours_lm, pairs), hf.loglikelihood(inst, disable_tqdm=True))
+
+    # greedy flag true: a continuation made of the model's own argmax tokens
+    ctx = tok.encode("Once upon a time")
+    runner = EagerRunner(model)
+    runner.reset()
+    logits = runner.forward(torch.tensor(ctx))
+    cont = []
+    for _ in range(3):
+        cont.append(int(logits[-1].argmax()))
+        logits = runner.forward(torch.tensor([cont[-1]]))
+    req = [(("a", "b"), ctx, cont), (("a", "c"), ctx, [cont[0], (cont[1] + 1) % 49152])]
+    ours = ours_lm._loglikelihood_tokens(req)
+    assert [g for _, g in ours] == [True, False]
+    _same(ours, hf._loglikelihood_tokens(req, disable_tqdm=True))
+
+    text = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(long_ctx,), idx=0)]
+    a, b = ours_lm.loglikelihood_rolling(text), hf.loglikelihood_rolling(text, disable_tqdm=True)
+    assert abs(a[0] - b[0]) < TOL
+
+
+def test_generation_is_refused_clearly(tiny_lm):
+    from optimize.tasks.adapter import RunnerLM
+
+    model, tok = tiny_lm
+    with pytest.raises(NotImplementedError, match="log-likelihood tasks only"):
+        RunnerLM(EagerRunner(model), tok).generate_until([])
+
+
+def test_identical_inputs_share_one_run_and_context_is_fed_without_all_logits(tiny_lm):
+    from optimize.tasks.adapter import RunnerLM, loglikelihoods
+
+    model, tok = tiny_lm
+    calls = []
+
+    class Spy(EagerRunner):
+        def forward(self, ids, *, all_logits=True):
+            calls.append((int(torch.as_tensor(ids).numel()), all_logits))
+            return super().forward(ids, all_logits=all_logits)
+
+    lm = RunnerLM(Spy(model), tok)
+    loglikelihoods(lm, [("Is the sky blue? Answer:", " yes"), ("Is the sky blue? Answer:", " no")])
+    if len(tok.encode(" yes")) == len(tok.encode(" no")) == 1:
+        assert lm.stats["runs"] == 1  # one-token continuations of one context: one run
+    assert calls[0][1] is False and all(a for _, a in calls[1:2])

@@ -1,0 +1,64 @@
+"""checks.tasks and gates.tasks: errors name the YAML path and the allowed values."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimize.config import ConfigError, load_config
+from optimize.tasks.config import TASK_NAMES, TasksConfig
+
+
+def _load(cfg):
+    return load_config(cfg, check_model=False)
+
+
+def test_unknown_task_names_the_path_and_the_allowed_list(tiny_cfg):
+    tiny_cfg["checks"]["tasks"] = {"names": ["hellaswag", "mmlu"]}
+    with pytest.raises(ConfigError) as err:
+        _load(tiny_cfg)
+    msg = str(err.value)
+    assert "checks.tasks.names" in msg and "'mmlu'" in msg
+    assert ", ".join(TASK_NAMES) in msg
+
+
+def test_unknown_key_and_bad_limit(tiny_cfg):
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "limt": 5}
+    with pytest.raises(ConfigError, match="limt"):
+        _load(tiny_cfg)
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "limit": 0}
+    with pytest.raises(ConfigError, match="checks.tasks.limit"):
+        _load(tiny_cfg)
+
+
+def test_rows_must_name_rows_of_the_run(tiny_cfg):
+    tiny_cfg["stages"] = [{"kind": "test_noise"}]
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "rows": ["baseline", "0:test_noise", "1:awq"]}
+    with pytest.raises(ConfigError) as err:
+        _load(tiny_cfg)
+    assert "checks.tasks.rows.2" in str(err.value) and "'1:awq' names no row" in str(err.value)
+    tiny_cfg["checks"]["tasks"]["rows"] = ["baseline", 0, "test_noise"]
+    cfg = _load(tiny_cfg)
+    assert cfg.checks.tasks.rows == ["baseline", 0, "test_noise"]
+
+
+def test_task_gates_need_the_task_scored_and_the_baseline(tiny_cfg):
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "rows": ["0:test_noise"]}
+    tiny_cfg["stages"] = [{"kind": "test_noise"}]
+    tiny_cfg["gates"] = {"tasks": {"hellaswag": {"max_degradation": 2}, "piqa": {"max_degradation": 2}}}
+    with pytest.raises(ConfigError) as err:
+        _load(tiny_cfg)
+    msg = str(err.value)
+    assert "gates.tasks" in msg and "hellaswag, which checks.tasks.names does not score" in msg
+    assert "add 'baseline'" in msg
+    tiny_cfg["gates"] = {"tasks": {"mmlu": {"threshold": 30}}}
+    with pytest.raises(ConfigError, match="unknown task 'mmlu'; allowed: hellaswag"):
+        _load(tiny_cfg)
+
+
+def test_defaults_and_selection():
+    t = TasksConfig(names=["piqa"])
+    assert t.rows == ["baseline", "export"] and t.num_fewshot == 0 and t.limit is None
+    assert t.selects(-1, "baseline", "baseline") and t.selects(2, "export:executorch", "export:executorch")
+    assert not t.selects(0, "0:awq", "awq")
+    assert TasksConfig(names=["piqa"], rows=[0]).selects(0, "0:awq", "awq")
+    assert not TasksConfig().enabled

@@ -1,0 +1,167 @@
+"""Devices in the pipeline: ``device_profile`` / ``--device-profile``, the device's limits as gates
+with their figures, and the decode rate predicted (and labelled so) from bandwidth."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from optimize.cli import main
+from optimize.config import load_config
+from optimize.errors import ConfigError
+from optimize.memory import MemoryFootprint
+from optimize.predict import device_gates, predict, weight_bytes_per_token
+from targets.devices import DEVICE_DIR, load_device
+
+MIB = 2**20
+
+
+def _fake_device(tmp_path, **over) -> str:
+    data = yaml.safe_load((DEVICE_DIR / "pixel-8.yaml").read_text())
+    data.update(name="fake-device", **over)
+    path = tmp_path / "fake-device.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+class _Cfg:  # the config fields the KV and embedding arithmetic read
+    num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 2, 4, 2, 64
+    vocab_size = 1000
+
+
+def _mem(model_rss=40 * MIB, artifact=20 * MIB) -> MemoryFootprint:
+    return MemoryFootprint(artifact_bytes=artifact, peak_rss_bytes=400 * MIB + model_rss, interpreter_rss_bytes=400 * MIB,
+                           model_rss_bytes=model_rss, kv_cache_bytes=1024, max_seq_len=256)
+
+
+# ---- the arithmetic
+
+def test_prediction_scales_the_host_fraction_to_the_device_bandwidth():
+    dev = load_device("raspberry-pi-5")
+    weights = 100 * MIB
+    # the host reads 100 MiB a token at 50 tok/s out of 20 GB/s: 26% of its ceiling
+    p = predict(dev, memory=_mem(), host_decode_tok_s=50.0, host_bandwidth=20e9, context_tokens=64,
+                weight_bytes=weights, config=_Cfg(), max_seq_len=512)
+    kv64 = 2 * 2 * 2 * 16 * 64 * 4
+    frac = 50.0 * (weights + kv64) / 20e9
+    assert p.host_fraction_of_ceiling == pytest.approx(frac, rel=1e-3)
+    assert p.predicted_decode_tok_s == pytest.approx(frac * dev.bandwidth.practical_gb_s * 1e9 / (weights + kv64), rel=1e-3)
+    assert p.predicted_decode_tok_s_at_max_seq_len < p.predicted_decode_tok_s  # a full cache reads more
+    assert p.fits_memory and p.fits_storage and "predicted" in p.method
+    assert any("PREDICTED" in n for n in p.notes)
+
+
+def test_a_host_fraction_above_one_is_capped_and_said():
+    dev = load_device("pixel-8")
+    p = predict(dev, memory=None, host_decode_tok_s=5000.0, host_bandwidth=20e9, context_tokens=10,
+                weight_bytes=10 * MIB, config=None, max_seq_len=None)
+    assert p.host_fraction_of_ceiling > 1
+    assert p.predicted_decode_tok_s == pytest.approx(dev.bandwidth.practical_gb_s * 1e9 / (10 * MIB), rel=1e-3)
+    assert any("caches" in n for n in p.notes)
+
+
+def test_weights_per_token_leave_out_an_embedding_stored_apart():
+    pte_twice = {"weights": {"tied_embedding": "stored twice: ..."}, "quantization": {"embedding": "fp32"}}
+    table = 1000 * 64 * 4
+    assert weight_bytes_per_token(3 * table, _Cfg(), pte_twice, "executorch", tied=True) == 2 * table
+    assert weight_bytes_per_token(3 * table, _Cfg(), {"weights": {"tied_embedding": "stored once: ..."}},
+                                  "executorch", tied=True) == 3 * table
+    assert weight_bytes_per_token(3 * table, _Cfg(), {}, "onnxruntime-genai", tied=True) == 3 * table  # shared
+    assert weight_bytes_per_token(3 * table, _Cfg(), {}, "onnxruntime", tied=False) == 2 * table
+
+
+def test_gates_fail_with_the_figures_and_say_predicted(tmp_path):
+    dev = load_device(_fake_device(tmp_path, memory={"total_gib": 1, "usable_gib": 0.001, "usable_basis": "test"},
+                                   storage_gib=0.001))
+    mem = _mem()
+    p = predict(dev, memory=mem, host_decode_tok_s=50.0, host_bandwidth=20e9, context_tokens=64,
+                weight_bytes=100 * MIB, config=_Cfg(), max_seq_len=512)
+    gates = {g.metric: g for g in device_gates(p, mem, decode_budget=1e6)}
+    assert not any(g.ok for g in gates.values())
+    assert "40.0 MiB" in gates["device.memory"].message and "does NOT fit" in gates["device.memory"].message
+    assert "fake-device's usable memory 1.0 MiB" in gates["device.memory"].message
+    assert "artifact 20.0 MiB does NOT fit" in gates["device.storage"].message
+    msg = gates["device.decode_tok_s_predicted"].message
+    assert msg.startswith("predicted decode on fake-device") and "misses the budget >= 1e+06" in msg
+    assert "measured" not in msg.split("(")[0]  # the prediction is never called measured
+    # unmeasured memory cannot pass
+    p.model_rss_bytes = None
+    g = device_gates(p, MemoryFootprint(error="boom"), None)[0]
+    assert not g.ok and "not measured (boom)" in g.message
+
+
+# ---- the config and the CLI
+
+def test_device_profile_in_the_config_and_its_errors(tiny_cfg, tmp_path):
+    tiny_cfg["target"] = "executorch"
+    assert load_config(dict(tiny_cfg, device_profile="raspberry-pi-5")).device_profile == "raspberry-pi-5"
+    assert load_config(tiny_cfg, device_profile="pixel-8").device_profile == "pixel-8"
+    with pytest.raises(ConfigError) as err:
+        load_config(dict(tiny_cfg, device_profile="pixel-99"))
+    assert "device_profile: unknown device profile 'pixel-99'; available: android-midrange-6gb" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(dict(tiny_cfg, target="torchchat", device_profile="pixel-8"))
+    assert "device 'pixel-8' does not run target 'torchchat'; it runs: executorch, onnxruntime" in str(err.value)
+    # a file path, relative to the pipeline YAML
+    _fake_device(tmp_path)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(dict(tiny_cfg, device_profile="fake-device.yaml")))
+    cfg = load_config(tmp_path / "p.yaml")
+    assert cfg.device_profile == str(tmp_path / "fake-device.yaml")
+
+
+def test_cli_ls_devices_and_the_flag(tiny_cfg, tmp_path, capsys):
+    assert main(["ls", "devices"]) == 0
+    out = capsys.readouterr().out
+    for name in ("pixel-8", "galaxy-s24", "iphone-15-pro", "android-midrange-6gb", "raspberry-pi-5",
+                 "jetson-orin-nano", "host"):
+        assert re.search(rf"^{re.escape(name)}\s+\d", out, re.M), name
+    assert re.search(r"^raspberry-pi-5\s+8\s+7\s+17\.1\s+0\.6\s+4\s+executorch, onnxruntime, torchchat", out, re.M)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    assert main(["validate", str(path), "--target", "onnxruntime", "--device-profile", "galaxy-s24"]) == 0
+    assert "device: galaxy-s24" in capsys.readouterr().out
+    assert main(["validate", str(path), "--device-profile", "nokia-3310"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown device profile 'nokia-3310'" in err and "raspberry-pi-5" in err
+    from optimize.cli import build_parser
+
+    args = build_parser().parse_args(["pipeline", str(path), "--device-profile", "pixel-8", "seed=1"])
+    assert args.device_profile == "pixel-8" and args.overrides == ["seed=1"]
+
+
+# ---- the pipeline
+
+def test_export_rows_report_memory_and_a_device_that_does_not_fit_fails_with_figures(tiny_cfg, tmp_path):
+    """A fake device with 1 MiB usable and 1 MiB of storage and a decode budget of a million tokens a
+    second: the ONNX export row fails all three device gates, each with its figures; report.json and
+    report.md carry the measured memory and the prediction, labelled predicted."""
+    from optimize import run_pipeline
+
+    dev = _fake_device(tmp_path, memory={"total_gib": 1, "usable_gib": 0.001, "usable_basis": "test"},
+                       storage_gib=0.001, budgets={"decode_tok_s": 1e6})
+    tiny_cfg.update(target="onnxruntime", export={"onnxruntime": {"max_seq_len": 128}})
+    tiny_cfg["checks"]["generate_tokens"] = 0
+    report = run_pipeline(load_config(tiny_cfg), say=lambda m: None, device_profile=dev)
+    row = report.row("export:onnxruntime")
+    assert row.status == "fail" and not report.ok
+    assert report.row("export:onnxruntime:genai").metrics.memory.model_rss_bytes > 0  # every artifact
+    mem = row.metrics.memory
+    assert mem.artifact_bytes > 10 * MIB and mem.kv_cache_bytes == 2 * 2 * 2 * 16 * 128 * 4
+    assert mem.peak_rss_bytes > mem.interpreter_rss_bytes and mem.model_rss_bytes > mem.artifact_bytes
+    gates = {g.metric: g for g in row.gates}
+    assert not gates["device.memory"].ok and "does NOT fit fake-device's usable memory 1.0 MiB" in gates["device.memory"].message
+    assert not gates["device.storage"].ok and "storage budget 1.0 MiB" in gates["device.storage"].message
+    assert not gates["device.decode_tok_s_predicted"].ok and "predicted" in gates["device.decode_tok_s_predicted"].message
+    saved = json.loads((tmp_path / "run" / "report.json").read_text())
+    dev_json = next(r for r in saved["rows"] if r["name"] == row.name)["metrics"]["device"]
+    assert dev_json["predicted_decode_tok_s"] > 0 and "predicted" in dev_json["method"]
+    assert dev_json["host_decode_tok_s"] == row.metrics.decode_tok_s
+    assert "measured_decode" not in json.dumps(dev_json)
+    assert saved["device_profile"]["name"] == "fake-device"
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "## Memory of the exported artifacts (measured on this host)" in md
+    assert "## Device `fake-device` (phone): fit and PREDICTED decode" in md and "decode tok/s (predicted)" in md
+    assert "Method (predicted, not measured on the device)" in md and "does NOT fit" in md
