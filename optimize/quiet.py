@@ -69,6 +69,7 @@ class LogOutput:
         self._fds: dict[int, int] = {}
         self._streams: tuple | None = None
         self._handlers: list[tuple[logging.StreamHandler, object]] = []
+        self._console: TextIO | None = None
 
     # ---- enter / exit
 
@@ -95,11 +96,25 @@ class LogOutput:
                         continue
                     self._handlers.append((h, stream))
             sys.stdout = sys.stderr = self.file
-            _CONSOLES.append(self._streams[1])
+            _CONSOLES.append(self._console_stream())
         except BaseException:
             self._restore()
             raise
         return self
+
+    def _console_stream(self) -> TextIO:
+        """What was stderr: the old ``sys.stderr`` when it is not on fd 2 (pytest's capture, a
+        notebook), else a stream on the saved copy of fd 2 (the old ``sys.stderr`` object still
+        writes to fd 2, which now points at the log)."""
+        old = self._streams[1]
+        try:
+            on_fd2 = old.fileno() == 2
+        except (AttributeError, OSError, ValueError):
+            on_fd2 = False
+        if not on_fd2 or 2 not in self._fds:
+            return old
+        self._console = os.fdopen(os.dup(self._fds[2]), "w", buffering=1, encoding="utf-8", errors="replace")
+        return self._console
 
     def __exit__(self, *exc) -> None:
         self._restore()
@@ -122,9 +137,13 @@ class LogOutput:
         self._handlers.clear()
         if self._streams is not None:
             sys.stdout, sys.stderr = self._streams
-            if _CONSOLES and _CONSOLES[-1] is self._streams[1]:
+            if _CONSOLES and _CONSOLES[-1] in (self._streams[1], self._console):
                 _CONSOLES.pop()
             self._streams = None
+        if self._console is not None:
+            _flush(self._console)
+            self._console.close()
+            self._console = None
         if self.file is not None:
             self.file.close()
             self.file = None

@@ -104,3 +104,28 @@ def test_executorch_pipeline_in_a_fresh_process_is_silent(tmp_path):
     assert "exporting to executorch" in log and "report: " in log
     assert "Failed to load" in log or "cpuinfo" in log  # the native / import noise that used to reach stderr
     assert (tmp_path / "run" / "export" / "executorch" / "model.pte").exists()
+
+
+def test_cli_in_a_pipe_prints_the_run_messages_but_not_the_library_noise(tmp_path):
+    """``optimize pipeline`` with stderr not a terminal (make, CI, a pipe): the run's own messages
+    reach the real stderr while they happen (the saved fd 2, not the redirected one), the library
+    noise goes to pipeline.log, and the table to stdout."""
+    from tests.conftest import TINY_CONFIGS
+
+    cfg = {
+        "version": 1, "name": "pipe", "output_dir": str(tmp_path / "run"),
+        "model": {"source": "random", "config": dict(TINY_CONFIGS["llama"])},
+        "data": {"eval_tokens": 256, "calibration_tokens": 128, "seq_len": 128},
+        "checks": {"latency": {"enabled": False}},
+        "stages": [{"kind": "ptq_int8", "scheme": "8da8w"}],
+    }
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("OPTIMIZE_PLUGINS", None)
+    proc = subprocess.run([sys.executable, "-m", "optimize.cli", "pipeline", str(path)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loading model" in proc.stderr and "stage 0:ptq_int8" in proc.stderr and "report: " in proc.stderr
+    assert "Failed to load" not in proc.stderr and "| 0:ptq_int8 |" in proc.stdout
+    assert "loading model" in (tmp_path / "run" / "pipeline.log").read_text()
