@@ -197,16 +197,11 @@ def export_peer(hf_dir: Path, cache: Path) -> tuple[Path, dict]:
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, runs: int = 7) -> float:
-    """Read+write traffic of a large tensor copy, bytes/s (median)."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times)
+    """Read+write traffic of a large tensor copy, bytes/s (median): the ``host`` device profile's
+    measure (:func:`targets.devices.copy_bandwidth`), on a larger tensor and more runs."""
+    from targets.devices import copy_bandwidth as measure
+
+    return measure(nbytes, runs)
 
 
 def read_rate(nbytes: int, runs: int = 9) -> float:
