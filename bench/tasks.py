@@ -10,7 +10,8 @@ Rows:
 
 - ``fp32 eager``: the bundled model in PyTorch (``export.runtime.EagerRunner``);
 - ``executorch .pte``: ``--pte PATH``, default the demo's ``runs/smollm2-executorch/export/executorch/model.pte``
-  (``examples/smollm2.yaml``: AWQ + GPTQ 8da4w, built by ``make demo`` or ``--build``);
+  (``examples/smollm2.yaml``: AWQ + GPTQ 8da4w; ``--build`` exports it with its ``forward_all`` scoring
+  method, which a plain ``make demo`` leaves out: without it each continuation token is one call);
 - ``onnxruntime int4``: ``--onnx-dir PATH``, default ``runs/smollm2-onnx-int4/export/onnxruntime``
   (``examples/smollm2_onnx_int4.yaml``).
 
@@ -40,12 +41,15 @@ from bench.common import REPO, print_results  # noqa: E402
 DEFAULT_TASKS = ["hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande"]
 PTE = REPO / "runs/smollm2-executorch/export/executorch/model.pte"
 ONNX_DIR = REPO / "runs/smollm2-onnx-int4/export/onnxruntime"
-RECIPES = {"pte": "examples/smollm2.yaml", "onnx": "examples/smollm2_onnx_int4.yaml"}
+#: the pipelines that build each row's artifact: the demo's .pte with its forward_all scoring method
+#: (the stages resume from the demo's run; only the export runs again)
+RECIPES = {"pte": ["examples/smollm2.yaml", "--target", "executorch", "export.executorch.scoring_method=true"],
+           "onnx": ["examples/smollm2_onnx_int4.yaml"]}
 
 
 def build(which: str, log) -> None:
     """Run the recipe's pipeline (the artifact lands in its run directory)."""
-    cmd = [str(Path(sys.executable).with_name("optimize")), "pipeline", RECIPES[which]]
+    cmd = [str(Path(sys.executable).with_name("optimize")), "pipeline", *RECIPES[which]]
     log(f"building the {which} row: {' '.join(cmd)}")
     subprocess.run(cmd, cwd=REPO, check=True)
 
@@ -98,6 +102,9 @@ def table(rows: dict, names: list[str]) -> str:
         walls.append(f"{r['wall_s']:.0f}" if "wall_s" in r else "–")
     out.append("| mean | | | " + " | ".join(means) + " |")
     out.append("| wall s | | | " + " | ".join(walls) + " |")
+    how = [f"{(r.get('facts') or {}).get('method') or '–'}, {(r.get('facts') or {}).get('contexts', '–')} contexts"
+           for r in rows.values()]
+    out.append("| method, contexts fed | | | " + " | ".join(how) + " |")
     return "\n".join(out)
 
 
@@ -115,6 +122,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("MKL_NUM_THREADS", "1")  # before torch loads, as the CLI (export/executorch/blas_threads.py)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -144,7 +152,8 @@ def main(argv=None) -> int:
         try:
             if path is not None and not path.exists():
                 if not args.build:
-                    raise FileNotFoundError(f"{path} is missing (run {RECIPES[key]}, or pass --build)")
+                    raise FileNotFoundError(f"{path} is missing (run optimize pipeline {' '.join(RECIPES[key])}, "
+                                            "or pass --build)")
                 build(key, log)
             runner = (EagerRunner(model) if key == "eager" else
                       get_exporter("executorch" if key == "pte" else "onnxruntime").load(path))

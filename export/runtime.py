@@ -71,6 +71,21 @@ class Runner(abc.ABC):
         """Tokens held in the cache now."""
         return getattr(self, "_pos", 0)
 
+    def truncate(self, n: int) -> bool:
+        """Keep the first ``n`` cached positions and continue from position ``n``.
+
+        Lets a scorer feed a shared context once and each continuation after it. Returns False
+        where this runtime cannot drop positions exactly (the caller then resets and feeds the
+        context again); raises for ``n`` outside ``1..position``."""
+        if not 0 < n <= self.position:
+            raise ValueError(f"truncate({n}): the cache holds {self.position} positions")
+        return False
+
+    def scoring_runner(self) -> "Runner":
+        """The runner to score log-likelihoods with: this one, or one over the same artifact that
+        returns every fed position's logits in a call where this one returns only the last."""
+        return self
+
     def size_bytes(self) -> int | None:
         """Size of the shipped artifact in bytes, or None if not applicable."""
         return None
@@ -160,3 +175,16 @@ class EagerRunner(Runner):
         self._cache = out.past_key_values
         self._pos += t
         return out.logits[0].float()
+
+    def truncate(self, n: int) -> bool:
+        """Crop the DynamicCache; a sliding-window or linear-attention layer cannot give back what it
+        dropped, so such caches answer False."""
+        if not 0 < n <= self.position:
+            return super().truncate(n)
+        layers = getattr(self._cache, "layers", None)
+        if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+            return False
+        if n < self._pos:  # a negative count removes that many positions (every transformers version)
+            self._cache.crop(n - self._pos)
+        self._pos = n
+        return True

@@ -191,12 +191,13 @@ def cmd_ls(args) -> int:
 def cmd_fit(args) -> int:
     from optimize.fit import fit
 
-    res = fit(args.config, args.device_profile, target=args.target, out_dir=args.output, overrides=tuple(args.overrides))
+    res = fit(args.config, args.device_profile, target=args.target, out_dir=args.output,
+              overrides=tuple(args.overrides), decode_tok_s=args.decode_tok_s, max_memory_gib=args.max_memory_gib,
+              max_ppl_pct=args.max_ppl_pct, windows=args.windows, finalists=args.finalists,
+              log=_console_say, progress=_progress(args))
     print(res.table())
-    if res.winner is None:
-        print(f"\nno recipe fits {res.device}; table in {res.paths['md']}")
-        return 1
-    print(f"\nwinner: {res.winner.label()} · {res.paths['yaml']} (run it to measure)")
+    print(f"\nwinner: {res.winner.label()} · {res.paths['yaml']} (run it with optimize pipeline to measure it "
+          "in the runtime) · plot: " + res.paths.get("png", "not drawn"))
     return 0
 
 
@@ -282,13 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("what", choices=["stages", "targets", "devices"])
     s.set_defaults(fn=cmd_ls)
 
-    s = command("fit", help="price quantization recipes against a device from bytes (no export); write a Pareto "
-                "table and the winning YAML")
+    s = command("fit", help="price quantization recipes against a device from bytes, measure the finalists' "
+                "perplexity on a short eval; write a Pareto table, plot and the winning YAML")
     s.add_argument("config", help="pipeline YAML (its model)")
     s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
     s.add_argument("--device-profile", required=True, help="device profile name or YAML (see `optimize ls devices`)")
     s.add_argument("--target", default="executorch", help="only executorch is priced")
     s.add_argument("--output", help="output directory (default <run dir>/fit)")
+    s.add_argument("--decode-tok-s", type=float, help="slowest acceptable PREDICTED decode (default: the device's budget)")
+    s.add_argument("--max-memory-gib", type=float, help="memory budget below the device's usable memory")
+    s.add_argument("--max-ppl-pct", type=float,
+                   help="largest measured perplexity increase, %% (default: the YAML's gates.perplexity)")
+    s.add_argument("--windows", type=int, default=8, help="eval windows per finalist's perplexity (0: bytes only)")
+    s.add_argument("--finalists", type=int, default=6, help="recipes that fit whose perplexity is measured")
+    s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars and library output on stderr (default: only on a terminal; else <output>/fit.log)")
     s.set_defaults(fn=cmd_fit)
 
     s = command("run", help="generate text from an exported artifact (.pte, .onnx)", aliases=["generate"])

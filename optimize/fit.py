@@ -15,19 +15,25 @@ every candidate recipe of the ExecuTorch exporter's own quantization (``export.e
   fraction of the ceiling the artifact reaches on the host);
 - ``quality_penalty``: a heuristic ORDER of expected accuracy loss, not a measurement: int8 < int4 g32 <
   g64 < g128 per weight byte, lm_head at int4 counted three times (it costs most of 8da4w's loss,
-  docs/executorch.md), the embedding's precision at a quarter.
+  docs/executorch.md), the embedding's precision at a quarter. It only picks which recipes to measure.
 
-The Pareto front is over (memory, quality penalty); the winner is the lowest penalty that fits the
-device's usable memory and storage (and its decode budget, against the ceiling), then the smallest.
-``fit.md`` holds the table, ``fit.yaml`` the pipeline YAML with the winner's ``export.executorch``
-block (stages that quantize are dropped: the exporter's quantization is what was priced); run it to
-measure what was priced.
+Then the finalists (``finalists`` of the recipes whose bytes fit, best-looking first) get a measured
+perplexity on a short eval (:mod:`optimize.fit_quality`: the exporter's own quantization of the
+weights, eager PyTorch). The winner is the lowest measured perplexity within the budgets (memory,
+storage, the predicted decode floor, ``max_ppl_pct``), then the smallest. ``fit.md`` holds the table,
+``fit.json`` the same as data, ``fit.png`` the plot, ``fit.yaml`` the pipeline YAML with the winner's
+``export.executorch`` block (stages that quantize are dropped: the exporter's quantization is what was
+priced); run it to measure the winner in the runtime. Nothing fits: :class:`FitRefused` names the
+closest recipe and what it misses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,10 +63,21 @@ class Priced:
     decode_ceiling_tok_s: float
     quality_penalty: float
     fits: bool = False
+    #: largest ratio of what the recipe needs to a budget (<= 1 when it fits); ranks refusals
+    miss: float = 0.0
     pareto: bool = False
     why_not: str = ""
+    #: measured on a short eval (optimize.fit_quality) for the finalists; None where not measured
+    perplexity: float | None = None
+    perplexity_delta_pct: float | None = None
+
+    @property
+    def measured(self) -> bool:
+        return self.perplexity is not None
 
     def label(self) -> str:
+        if self.scheme == "none":
+            return "fp32 (no quantization)"
         g = f" g{self.group_size}" if self.group_size else ""
         emb = self.embedding or "fp32"
         return f"{self.scheme}{g}, lm_head {self.lm_head}, embedding {emb}"
@@ -103,7 +120,7 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
     from optimize.memory import kv_cache_bytes
 
     linears, head, (vocab, hidden), tied = shapes or _shapes(config)
-    body = "int8" if scheme == "8da8w" else f"int4g{group_size}"
+    body = {"none": "fp32", "8da8w": "int8"}.get(scheme, f"int4g{group_size}")
     head_p = {"same": body, "8da8w": "int8", "fp32": "fp32"}[lm_head]
     emb_p = {"int8": "int8", "int4": "int4g32", None: "fp32"}[embedding]
     per_token = penalty = 0.0
@@ -129,7 +146,8 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
 
 def candidates(hidden_widths: list[int]) -> list[dict]:
     """Every recipe whose group size divides the Linear input widths."""
-    out = []
+    # the unquantized model, so the table says what it would need
+    out = [{"scheme": "none", "group_size": None, "lm_head": "same", "embedding": None}]
     for scheme, lm_head, emb in itertools.product(SCHEMES, LM_HEADS, EMBEDDINGS):
         for g in (GROUPS if scheme == "8da4w" else (None,)):
             if g is not None and any(w % g for w in hidden_widths):
@@ -140,6 +158,11 @@ def candidates(hidden_widths: list[int]) -> list[dict]:
     return out
 
 
+def _rank(r: Priced) -> tuple:
+    """Best first: measured perplexity where there is one, then the heuristic, then memory."""
+    return (0, r.perplexity, r.memory_bytes) if r.measured else (1, r.quality_penalty, r.memory_bytes)
+
+
 @dataclass
 class FitResult:
     device: str
@@ -147,26 +170,67 @@ class FitResult:
     rows: list[Priced]
     winner: Priced | None
     paths: dict[str, str]
+    quality: dict | None = None
+    budgets: dict | None = None
 
     def table(self) -> str:
-        lines = [f"Recipes priced from bytes for `{self.device}` at max_seq_len {self.max_seq_len} "
-                 "(memory: artifact + packed weights + KV + logits, no interpreter; decode: PREDICTED bandwidth "
-                 "ceiling; quality: heuristic order, lower is better)", "",
-                 "| recipe | artifact MiB | memory MiB | decode ceiling tok/s (predicted) | quality penalty | fits | Pareto |",
-                 "|---|---:|---:|---:|---:|---|---|"]
-        for r in sorted(self.rows, key=lambda r: (r.quality_penalty, r.memory_bytes)):
+        q = self.quality or {}
+        measured = (f"perplexity: MEASURED for the finalists on {q['windows']} eval windows ({q['tokens']} tokens; "
+                    f"fp32 {q['baseline_perplexity']:.3f}), the exporter's own quantization in eager PyTorch"
+                    if q else "perplexity: not measured (--windows 0)")
+        lines = [f"Recipes for `{self.device}` at max_seq_len {self.max_seq_len}. Memory: artifact + packed weights "
+                 "+ KV + logits, no interpreter (priced from bytes); decode: PREDICTED bandwidth ceiling; "
+                 f"quality penalty: heuristic order of the loss, lower is better; {measured}.", "",
+                 "| recipe | artifact MiB | memory MiB | decode ceiling tok/s (predicted) | quality penalty "
+                 "| perplexity (Δ) | fits | Pareto |",
+                 "|---|---:|---:|---:|---:|---:|---|---|"]
+        for r in sorted(self.rows, key=_rank):
             mark = " **winner**" if r is self.winner else ""
+            ppl = f"{r.perplexity:.3f} ({r.perplexity_delta_pct:+.2f}%)" if r.measured else "–"
             lines.append(f"| {r.label()}{mark} | {r.artifact_bytes / MIB:.1f} | {r.memory_bytes / MIB:.1f} | "
-                         f"{r.decode_ceiling_tok_s:.1f} | {r.quality_penalty:.3f} | "
+                         f"{r.decode_ceiling_tok_s:.1f} | {r.quality_penalty:.3f} | {ppl} | "
                          f"{'yes' if r.fits else 'no: ' + r.why_not} | {'yes' if r.pareto else ''} |")
         return "\n".join(lines)
 
+    def closest(self) -> Priced | None:
+        """The candidate that misses the budgets by the least (the smallest worst ratio of need to limit),
+        among those judged: the measured ones, and those the bytes already ruled out."""
+        judged = [r for r in self.rows if r.measured or not r.fits or not self.quality]
+        return min(judged, key=lambda r: r.miss, default=None)
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {"device": self.device, "max_seq_len": self.max_seq_len, "quality": self.quality,
+                "budgets": self.budgets, "paths": self.paths,
+                "winner": self.winner.label() if self.winner else None,
+                "rows": [{**asdict(r), "label": r.label()} for r in self.rows]}
+
+
+class FitRefused(ValueError):
+    """No recipe meets the budgets; the message names the closest candidate and what it misses."""
+
+    def __init__(self, message: str, result: "FitResult"):
+        super().__init__(message)
+        self.result = result
+
 
 def fit(config_path: str | Path, device_profile: str, *, target: str = "executorch", out_dir: str | Path | None = None,
-        overrides: tuple[str, ...] = ()) -> FitResult:
-    """Price every candidate recipe for the YAML's model on ``device_profile``; write ``fit.md``
-    (the table) and ``fit.yaml`` (the YAML with the winner's ``export.executorch`` block, its
-    ``target`` and ``device_profile`` set) into ``out_dir`` (default ``<run dir>/fit``)."""
+        overrides: tuple[str, ...] = (), decode_tok_s: float | None = None, max_memory_gib: float | None = None,
+        max_ppl_pct: float | None = None, windows: int = 8, finalists: int = 6,
+        log=lambda m: None, progress: bool = False) -> FitResult:
+    """Price every candidate recipe for the YAML's model on ``device_profile``, measure the
+    perplexity of up to ``finalists`` of those that fit (``windows`` eval windows each; 0: bytes
+    only), and write into ``out_dir`` (default ``<run dir>/fit``) ``fit.md`` (the table),
+    ``fit.json``, ``fit.png`` (Pareto plot) and ``fit.yaml`` (the YAML with the winner's
+    ``export.executorch`` block, its ``target`` and ``device_profile`` set).
+
+    Budgets: the device's usable memory and storage, its ``budgets.decode_tok_s`` (or
+    ``decode_tok_s``), ``max_memory_gib`` and ``max_ppl_pct`` (default: the YAML's
+    ``gates.perplexity.max_pct_degradation``). Raises :class:`FitRefused` when nothing meets them.
+
+    Quiet unless ``progress``: the measurement's bars and library output go to ``fit.log`` in
+    ``out_dir``; ``log`` gets one line per finalist either way."""
     from optimize.config import export_options, load_config, read_yaml
     from targets import load_target
     from targets.atomic import atomic_write_text
@@ -175,6 +239,8 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
 
     if target != "executorch":
         raise ValueError(f"optimize fit prices the ExecuTorch exporter's recipes; target {target!r} is not priced yet")
+    if windows < 0 or finalists < 1:
+        raise ValueError(f"windows must be >= 0 and finalists >= 1 (got {windows}, {finalists})")
     cfg = load_config(config_path, overrides, target=target, device_profile=device_profile, check_model=False)
     device = load_device(device_profile)
     profile = load_target(target)
@@ -183,37 +249,125 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     shapes = _shapes(config)
     widths = sorted({i for o, i in shapes[0].values()})
     rows = [price(config, n, device, shapes=shapes, **c) for c in candidates(widths)]
-    budget = device.budgets.decode_tok_s
+    gate = cfg.gates.perplexity.max_pct_degradation if cfg.gates.perplexity is not None else None
+    budgets = {"memory_bytes": min(device.usable_bytes, int(max_memory_gib * 2**30)) if max_memory_gib
+               else device.usable_bytes, "storage_bytes": device.storage_bytes,
+               "decode_tok_s": decode_tok_s if decode_tok_s is not None else device.budgets.decode_tok_s,
+               "max_ppl_pct": max_ppl_pct if max_ppl_pct is not None else gate}
     for r in rows:
-        why = []
-        if r.memory_bytes > device.usable_bytes:
-            why.append(f"memory {r.memory_bytes / MIB:.0f} > usable {device.usable_bytes / MIB:.0f} MiB")
-        if r.artifact_bytes > device.storage_bytes:
-            why.append(f"artifact {r.artifact_bytes / MIB:.0f} > storage {device.storage_bytes / MIB:.0f} MiB")
-        if budget is not None and r.decode_ceiling_tok_s < budget:
-            why.append(f"predicted ceiling {r.decode_ceiling_tok_s:.1f} < budget {budget:g} tok/s")
-        r.fits, r.why_not = not why, "; ".join(why)
+        _check_bytes(r, budgets)
     for r in rows:
         r.pareto = not any(o is not r and o.memory_bytes <= r.memory_bytes and o.quality_penalty <= r.quality_penalty
                            and (o.memory_bytes, o.quality_penalty) != (r.memory_bytes, r.quality_penalty) for o in rows)
-    fitting = [r for r in rows if r.fits]
-    winner = min(fitting, key=lambda r: (r.quality_penalty, r.memory_bytes)) if fitting else None
     out = Path(out_dir) if out_dir else cfg.run_dir() / "fit"
     out.mkdir(parents=True, exist_ok=True)
-    result = FitResult(device=device.name, max_seq_len=n, rows=rows, winner=winner, paths={})
+    quality = None
+    if windows:
+        chosen = sorted((r for r in rows if r.fits), key=_rank)[:finalists]
+        if chosen:
+            from optimize import fit_quality
+            from optimize.quiet import LogOutput
+
+            with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
+                quality = fit_quality.measure_finalists(cfg, chosen, max_seq_len=n, windows=windows, log=log)
+            limit = budgets["max_ppl_pct"]
+            for r in chosen:
+                if limit is not None and r.perplexity_delta_pct > limit:
+                    r.fits = False
+                    r.miss = max(r.miss, r.perplexity_delta_pct / limit if limit else math.inf)
+                    r.why_not = f"perplexity {r.perplexity_delta_pct:+.2f}% > {limit:g}%"
+    fitting = [r for r in rows if r.fits and (r.measured or not quality)]
+    winner = min(fitting, key=_rank) if fitting else None
+    result = FitResult(device=device.name, max_seq_len=n, rows=rows, winner=winner, paths={}, quality=quality,
+                       budgets=budgets)
     result.paths["md"] = str(atomic_write_text(out / "fit.md", result.table() + "\n"))
+    plot = render_fit_plot(result, out / "fit.png")
+    if plot is not None:
+        result.paths["png"] = str(plot)
     if winner is not None:
         data = read_yaml(config_path)
         # the recipe is the exporter's quantization: stages that quantize would decide it instead
         dropped = [s.label(i) for i, s in enumerate(cfg.stages) if s.quant_scheme() is not None]
         data["stages"] = [d for d, s in zip(data.get("stages") or [], cfg.stages) if s.quant_scheme() is None]
         data.update(target=target, device_profile=device_profile)
+        # its own run directory: run as is, it must not resume or overwrite the original YAML's run
+        suffix = f"-fit-{device.name}"
+        data["name"] = f"{cfg.name}{suffix}"
+        if data.get("output_dir"):
+            data["output_dir"] = str(data["output_dir"]).rstrip("/") + suffix
         data.setdefault("export", {})
         data["export"]["executorch"] = {**(data["export"].get("executorch") or {}), **winner.export_block()}
-        header = (f"# optimize fit: {winner.label()} for {device.name} (priced from bytes: memory "
-                  f"{winner.memory_bytes / MIB:.1f} MiB, predicted decode ceiling {winner.decode_ceiling_tok_s:.1f} "
-                  "tok/s); run it to measure\n"
+        measured = (f", measured perplexity {winner.perplexity:.3f} ({winner.perplexity_delta_pct:+.2f}%) on "
+                    f"{quality['windows']} windows" if winner.measured else "")
+        header = (f"# optimize fit: {winner.label()} for {device.name} (memory {winner.memory_bytes / MIB:.1f} MiB "
+                  f"priced from bytes, predicted decode ceiling {winner.decode_ceiling_tok_s:.1f} tok/s{measured}); "
+                  "run it to measure in the runtime\n"
                   + (f"# quantizing stages dropped (the exporter quantizes instead): {', '.join(dropped)}\n"
                      if dropped else ""))
         result.paths["yaml"] = str(atomic_write_text(out / "fit.yaml", header + yaml.safe_dump(data, sort_keys=False)))
+    result.paths["json"] = str(out / "fit.json")
+    atomic_write_text(out / "fit.json", json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    if winner is None:
+        near = result.closest()
+        raise FitRefused(f"no recipe fits {device.name}: the closest, {near.label()}, misses by {near.why_not} "
+                         f"(table in {result.paths['md']})", result)
     return result
+
+
+def _check_bytes(r: Priced, budgets: dict) -> None:
+    """``fits``, ``miss`` and ``why_not`` from what bytes tell: memory, storage, the decode ceiling."""
+    why, miss = [], 0.0
+    if r.memory_bytes > budgets["memory_bytes"]:
+        why.append(f"memory {r.memory_bytes / MIB:.0f} > usable {budgets['memory_bytes'] / MIB:.0f} MiB")
+    miss = max(miss, r.memory_bytes / budgets["memory_bytes"])
+    if r.artifact_bytes > budgets["storage_bytes"]:
+        why.append(f"artifact {r.artifact_bytes / MIB:.0f} > storage {budgets['storage_bytes'] / MIB:.0f} MiB")
+    miss = max(miss, r.artifact_bytes / budgets["storage_bytes"])
+    floor = budgets["decode_tok_s"]
+    if floor is not None:
+        if r.decode_ceiling_tok_s < floor:
+            why.append(f"predicted ceiling {r.decode_ceiling_tok_s:.1f} < budget {floor:g} tok/s")
+        miss = max(miss, floor / r.decode_ceiling_tok_s)
+    r.fits, r.why_not, r.miss = not why, "; ".join(why), miss
+
+
+def render_fit_plot(result: FitResult, path: Path) -> Path | None:
+    """Perplexity change (measured; the heuristic penalty where nothing was measured) against the
+    predicted decode ceiling, marker area by memory; the winner starred. None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:  # pragma: no cover - a pinned dependency
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from targets.atomic import atomic_write_bytes
+
+    measured = [r for r in result.rows if r.measured]
+    pts = measured or result.rows
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    peak = max(r.memory_bytes for r in pts)
+    for fits, colour, name in ((True, "tab:green", "fits"), (False, "tab:red", "misses a budget")):
+        sel = [r for r in pts if r.fits == fits]
+        if sel:
+            ax.scatter([r.decode_ceiling_tok_s for r in sel],
+                       [r.perplexity_delta_pct if measured else r.quality_penalty for r in sel],
+                       s=[30 + 300 * r.memory_bytes / peak for r in sel], c=colour, alpha=0.6, label=name)
+    w = result.winner
+    if w is not None:
+        ax.scatter([w.decode_ceiling_tok_s], [w.perplexity_delta_pct if measured else w.quality_penalty],
+                   marker="*", s=300, c="black", label=f"winner: {w.label()}")
+    floor = (result.budgets or {}).get("decode_tok_s")
+    if floor:
+        ax.axvline(floor, ls="--", c="grey", lw=1)
+    ax.set_xlabel("decode tok/s, PREDICTED (bandwidth ceiling)")
+    ax.set_ylabel("perplexity change %, measured (short eval)" if measured else "quality penalty (heuristic)")
+    ax.set_title(f"optimize fit: {result.device} (marker area: memory)")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())

@@ -173,6 +173,19 @@ def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_b
     return p
 
 
+def predict_from_another(source: DevicePrediction, target: DevicePrediction) -> float | None:
+    """``target``'s decode rate PREDICTED from ``source``'s measured efficiency: the fraction of the
+    bandwidth ceiling one recipe reaches on a host, applied to another recipe's bytes per token on the
+    same host (``optimize fit`` does this for recipes it has not exported). None where either lacks
+    the figures. Compare it with ``target.host_decode_tok_s`` to check the model
+    (bench/predict_decode.py)."""
+    frac = source.host_fraction_of_ceiling
+    bw = target.host_bandwidth_gb_s or source.host_bandwidth_gb_s
+    if frac is None or not bw or target.weight_bytes_per_token is None:
+        return None
+    bpt = target.weight_bytes_per_token + (target.kv_bytes_per_token or 0)
+    return round(min(frac, 1.0) * bw * 1e9 / bpt, 2)
+
 # ---- gates ------------------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from export.base import eos_token_ids, package_versions
 from export.executorch.inspection import _check_custom_ops, _delegation, _program_calls
 from export.executorch.options import ExecuTorchOptions, _resolve_max_seq_len, model_problems
 from export.executorch.quant import _apply_quantization, _is_lm_head, _refuse_weight_only, exported_linear_schemes
-from export.executorch.runner import ExecuTorchRunner
+from export.executorch.runner import SCORING_METHOD, ExecuTorchRunner
 from export.precision import (
     check_mix,
     linear_scheme,
@@ -94,6 +94,38 @@ def _metadata(model, tokenizer, opts: ExecuTorchOptions, n: int, chunk: int, pla
     return meta
 
 
+
+def _export_decoder(decoder, chunk: int, plan, eager_schemes: dict) -> tuple[torch.export.ExportedProgram, dict]:
+    """torch.export one decoder wrapper and run the graph passes every method gets (see lower_program)."""
+    from export.executorch.delegable import split_as_slices, static_reshapes
+    from export.executorch.fusion import merge_duplicate_linears
+    from export.executorch.head_layout import cancel_head_transposes
+    from export.executorch.joint_rope import rope_q_and_k_together
+
+    seq = torch.export.Dim("seq_len", min=1, max=chunk)
+    example = min(4, chunk)
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                decoder.eval(),
+                (torch.zeros(1, example, dtype=torch.long), torch.arange(example)),
+                dynamic_shapes=({1: seq}, {0: seq}),
+                strict=True,
+            )
+    except Exception as exc:
+        raise ExportError(f"torch.export of {type(decoder.model).__name__} with ExecuTorch's LLM ops failed: "
+                          f"{exc}") from exc
+    passes = {"reshapes": static_reshapes(ep), "splits": split_as_slices(ep), "custom_ops": _check_custom_ops(ep, plan)}
+    passes["graph_schemes"] = exported_linear_schemes(ep)
+    check_mix(eager_schemes, passes["graph_schemes"])
+    # after the scheme check (which reads every member's own linear): one GEMM per fused group
+    passes["merged"] = merge_duplicate_linears(ep)
+    # q, k and v stay [B, T, H, D] from the projections to the cache ops (export/executorch/head_layout.py)
+    passes["transposes"] = cancel_head_transposes(ep)
+    passes["joint_rope"] = rope_q_and_k_together(ep)  # then one RoPE chain for both (export/executorch/joint_rope.py)
+    return ep, passes
+
+
 def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *, log=print) -> tuple[bytes, dict]:
     """One self-contained program: :func:`lower_program` with the weights embedded.
 
@@ -127,11 +159,9 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    from export.executorch.delegable import split_as_slices, static_reshapes, swap_rms_norms, swap_tanh_gelus
-    from export.executorch.fusion import fuse_projections, merge_duplicate_linears
+    from export.executorch.delegable import swap_rms_norms, swap_tanh_gelus
+    from export.executorch.fusion import fuse_projections
     from export.executorch.llm import ExecuTorchDecoder, _text_config, plan_layers
-    from export.executorch.head_layout import cancel_head_transposes
-    from export.executorch.joint_rope import rope_q_and_k_together
     from export.executorch.xnnpack_boundaries import count_residual_adds
     from export.executorch.xnnpack_slices import dynamic_slices, partitioner_configs
 
@@ -160,36 +190,23 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
 
     timings = {}
     t0 = time.perf_counter()
-    decoder = ExecuTorchDecoder(model, plan, dtype=dtype, last_logits=opts.logits == "last").eval()
     chunk = plan.max_chunk
-    seq = torch.export.Dim("seq_len", min=1, max=chunk)
-    example = min(4, chunk)
     log(f"executorch: torch.export (max_seq_len={n}, prefill chunk {chunk}, linear layers: {mix})")
-    try:
-        with torch.no_grad():
-            ep = torch.export.export(
-                decoder,
-                (torch.zeros(1, example, dtype=torch.long), torch.arange(example)),
-                dynamic_shapes=({1: seq}, {0: seq}),
-                strict=True,
-            )
-    except Exception as exc:
-        raise ExportError(f"torch.export of {type(model).__name__} with ExecuTorch's LLM ops failed: {exc}") from exc
+    ep, passes = _export_decoder(ExecuTorchDecoder(model, plan, dtype=dtype, last_logits=opts.logits == "last"),
+                                 chunk, plan, eager_schemes)
+    programs = {"forward": ep}
+    scoring = bool(opts.scoring_method) and opts.logits == "last"
+    if scoring:  # same weights (stored once: XNNPACK keys them by sha256, the emitter dedups constants)
+        programs[SCORING_METHOD], _ = _export_decoder(
+            ExecuTorchDecoder(model, plan, dtype=dtype, last_logits=False).eval(), chunk, plan, eager_schemes)
     timings["torch_export_s"] = time.perf_counter() - t0
-    reshapes = static_reshapes(ep)
-    splits = split_as_slices(ep)
-    custom_ops = _check_custom_ops(ep, plan)
-    graph_schemes = exported_linear_schemes(ep)
-    check_mix(eager_schemes, graph_schemes)
-    # after the scheme check (which reads every member's own linear): one GEMM per fused group
-    merged = merge_duplicate_linears(ep)
-    # q, k and v stay [B, T, H, D] from the projections to the cache ops (export/executorch/head_layout.py)
-    transposes = cancel_head_transposes(ep)
-    joint_rope = rope_q_and_k_together(ep)  # then one RoPE chain for both (export/executorch/joint_rope.py)
+    reshapes, splits, custom_ops, graph_schemes, merged, transposes, joint_rope = (
+        passes[k] for k in ("reshapes", "splits", "custom_ops", "graph_schemes", "merged", "transposes", "joint_rope"))
     meta = _metadata(model, tokenizer, opts, n, chunk, plan)
     external = opts.weights == "external"
     if external:
-        _tag_weights_external(ep)
+        for program in programs.values():
+            _tag_weights_external(program)
     # each layer as three delegates, split at its residual adds (export/executorch/xnnpack_boundaries.py)
     hidden = getattr(_text_config(config), "hidden_size", None) if opts.split_layers else None
     log("executorch: lowering to XNNPACK (minutes for a full-size model)")
@@ -197,7 +214,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     try:
         with dynamic_slices():  # a fused projection's split stays inside XNNPACK under a dynamic length
             edge = to_edge_transform_and_lower(
-                ep,
+                programs if scoring else ep,
                 partitioner=[XnnpackPartitioner(configs=partitioner_configs(hidden))],
                 compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
                 constant_methods=meta,
@@ -224,6 +241,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                "llm_ops": {**custom_ops, "rms_norm_swapped": norms["swapped"], "rms_norm_kept": norms["kept"],
                            "tanh_gelu_swapped": gelus,
                            "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
+                           "scoring_method": SCORING_METHOD if scoring else None,
                            "fused_projections": fusion, "merged_linears": merged,
                            "residual_boundaries": boundaries, "head_transposes_removed": transposes,
                            "joint_rope_layers": joint_rope,

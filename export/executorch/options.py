@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from export.base import ExportOptions
 
@@ -65,6 +65,13 @@ class ExecuTorchOptions(ExportOptions):
         "x a 49k vocabulary is a third of SmolLM2's prefill) or all (every fed position; perplexity in the "
         "runtime then takes one call per chunk instead of one per token)",
     )
+    scoring_method: bool | None = Field(
+        None,
+        description="with logits: last, also export forward_all: the same weights (stored once) returning every "
+        "fed position's logits, so lm-eval scoring (checks.tasks) feeds a continuation in one call instead of "
+        "one call per token. null (default): exported when checks.tasks scores the export row. Costs a second "
+        "lowering at export time and, once loaded, a second copy of XNNPACK's packed weights in memory",
+    )
     fuse_projections: bool = Field(
         True,
         description="run q/k/v and gate/up, which read the same input, as one GEMM each (their weights "
@@ -85,6 +92,13 @@ class ExecuTorchOptions(ExportOptions):
         "(2 = SentencePiece, 3 = tiktoken/BPE); null infers it from the tokenizer",
     )
 
+
+    @model_validator(mode="after")
+    def _scoring_beside_last(self) -> "ExecuTorchOptions":
+        if self.scoring_method and self.logits == "all":
+            raise ValueError("scoring_method: true adds forward_all beside a forward that returns only the last "
+                             "position; with logits: all, forward already returns every position (drop scoring_method)")
+        return self
 
 DEFAULT_MAX_SEQ_LEN = 512
 

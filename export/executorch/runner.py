@@ -15,6 +15,7 @@ same program through ExecuTorch's C++ text runner (:mod:`export.executorch.llm_r
 
 from __future__ import annotations
 
+import copy
 import logging
 import mmap
 from pathlib import Path
@@ -37,7 +38,13 @@ META_METHODS = (
     "use_kv_cache",
     "enable_dynamic_shape",
     "tokenizer_type",
+    "sliding_window",  # the shortest window, where a layer keeps a ring cache
 )
+
+#: the extra method the exporter's ``scoring_method`` adds: forward over the same weights returning
+#: every fed position's logits, so lm-eval scoring of a ``logits: last`` program feeds a continuation
+#: in one call
+SCORING_METHOD = "forward_all"
 
 
 def set_threads(n: int) -> int:
@@ -78,7 +85,7 @@ class ExecuTorchRunner(Runner):
 
     runtime = "executorch"
 
-    def __init__(self, path: str | Path, *, threads: int | None = None):
+    def __init__(self, path: str | Path, *, threads: int | None = None, method: str = "forward"):
         self.path = Path(path)
         if not self.path.is_file():
             raise RunnerError(f"ExecuTorch program {self.path} does not exist")
@@ -103,8 +110,8 @@ class ExecuTorchRunner(Runner):
                 "The file is truncated, corrupted or not a .pte; export it again."
             ) from None
         names = set(self._program.method_names)
-        if "forward" not in names:
-            raise RunnerError(f"{self.path} has no 'forward' method (methods: {', '.join(sorted(names))})")
+        if method not in names:
+            raise RunnerError(f"{self.path} has no {method!r} method (methods: {', '.join(sorted(names))})")
         meta = {}
         for name in META_METHODS:
             if name in names:
@@ -123,10 +130,19 @@ class ExecuTorchRunner(Runner):
         # the most tokens one call takes); older programs wrote only get_max_seq_len
         self.max_seq_len = int(meta.get("get_max_context_len", meta["get_max_seq_len"]))
         self.vocab_size = meta.get("get_vocab_size")
+        self._bind(method)
+        self._pos = 0
+        self._llm = None
+
+    def _bind(self, method: str) -> None:
+        """Load ``method`` (a KV-cache forward: ``forward``, or the exporter's ``forward_all``) and read
+        what one call of it takes and returns."""
+        meta = self.meta
         try:
-            self._method = self._program.load_method("forward")
+            self._method = self._program.load_method(method)
         except Exception as exc:
-            raise RunnerError(f"cannot load method 'forward' of {self.path}: {exc}") from None
+            raise RunnerError(f"cannot load method {method!r} of {self.path}: {exc}") from None
+        self.method = method
         fmeta = self._method.metadata
         self._forward_inputs = fmeta.num_inputs()
         if self._forward_inputs != 2:
@@ -140,11 +156,33 @@ class ExecuTorchRunner(Runner):
         out_sizes = fmeta.output_tensor_meta(0).sizes()
         #: whether forward returns logits for every fed position or only for the last one
         self.all_positions = len(out_sizes) < 3 or int(out_sizes[-2]) > 1 or self.max_chunk == 1
-        self._pos = 0
-        self._llm = None
 
     def reset(self) -> None:
         self._pos = 0
+
+    def truncate(self, n: int) -> bool:
+        """Continue from position ``n``: exact, since the program's mask hides every cache slot at or
+        after the fed positions. A ring (sliding-window) cache overwrites slots of earlier positions,
+        so a program with one answers False."""
+        if not 0 < n <= self._pos:
+            return super().truncate(n)
+        window = self.meta.get("sliding_window")
+        if window is not None and int(window) < self.max_seq_len:
+            return False
+        self._pos = n
+        return True
+
+    def scoring_runner(self) -> "ExecuTorchRunner":
+        """A runner over the exporter's ``forward_all`` method (every position's logits, same weights)
+        when this one returns only the last position and the program has it; else this runner.
+        Loading the method packs XNNPACK's weights a second time."""
+        if self.all_positions or SCORING_METHOD not in self._program.method_names:
+            return self
+        other = copy.copy(self)
+        other._llm = None
+        other._bind(SCORING_METHOD)
+        other.reset()
+        return other
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
@@ -180,6 +218,7 @@ class ExecuTorchRunner(Runner):
             "max_seq_len": self.max_seq_len,
             "max_prefill_chunk": self.max_chunk,
             "input_pos": "positions" if self._pos_is_range else "start",
+            "method": self.method,
             "all_position_logits": self.all_positions,
             "threads": thread_count(),
             "methods": sorted(self._program.method_names),

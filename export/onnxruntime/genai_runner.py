@@ -10,12 +10,15 @@ perplexity, parity, greedy and latency checks measure the artifact the way an ap
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from export.runtime import Runner, RunnerError
+
+log = logging.getLogger(__name__)
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -80,6 +83,18 @@ class GenaiRunner(Runner):
         self._pos += t
         logits = np.asarray(logits, dtype=np.float32).reshape(-1, logits.shape[-1])[-t:]
         return torch.from_numpy(np.ascontiguousarray(logits if all_logits else logits[-1:]))
+
+    def truncate(self, n: int) -> bool:
+        """onnxruntime-genai's ``Generator.rewind_to(n)``: the KV buffers keep their first ``n`` positions."""
+        if not 0 < n <= self._pos:
+            return super().truncate(n)
+        try:
+            self._generator().rewind_to(n)
+        except Exception as exc:  # a model type genai cannot rewind: the caller feeds the context again
+            log.info("onnxruntime-genai cannot rewind %s: %s", self.path, exc)
+            return False
+        self._pos = n
+        return True
 
     def size_bytes(self) -> int:
         from export.onnxruntime.runner import onnx_files

@@ -134,6 +134,17 @@ class OnnxRuntimeRunner(Runner):
         logits = named["logits"][0]
         return torch.from_numpy(np.ascontiguousarray(logits if all_logits else logits[-1:], dtype=np.float32))
 
+    def truncate(self, n: int) -> bool:
+        """Slice the past arrays to their first ``n`` positions (exact: the next call's mask and
+        positions cover ``0..n`` only); a graph whose past does not hold every position answers False."""
+        if not 0 < n <= self._pos:
+            return super().truncate(n)
+        if any(a.shape[2] != self._pos for a in self._past.values()):
+            return False
+        self._past = {k: np.ascontiguousarray(a[:, :, :n, :]) for k, a in self._past.items()}
+        self._pos = n
+        return True
+
     def size_bytes(self) -> int:
         """The .onnx plus every external-data file it references."""
         return sum(f.stat().st_size for f in onnx_files(self.path))

@@ -7,12 +7,13 @@ spaces of the context move to the continuation; an empty context is the BOS, els
 inputs are truncated from the left to ``max_length + 1`` tokens and the last one dropped), so the
 log-likelihoods equal HFLM's on the same model (tests/optimize/tasks/test_adapter.py).
 
-How a request is fed: ``reset()``, then the tokens before the continuation with
-``all_logits=False`` (one chunked prefill; a runtime that can skip the output projection for those
-positions does), then the continuation's positions with ``all_logits=True``. A ``.pte`` exported
-with ``logits: last`` thus takes the context in chunks and only the continuation's few tokens one
-at a time. Requests whose fed tokens are identical (one-token continuations of one context, e.g.
-boolq's "yes"/"no") share one run.
+How a request is fed: the context with ``all_logits=False`` (one chunked prefill; a runtime that
+can skip the output projection for those positions does), then the continuation with
+``all_logits=True``. The choices of one multiple-choice item share their context: it is fed once,
+and the runner is cut back to it (``Runner.truncate``) before each choice. A ``.pte`` exported with
+``logits: last`` is scored through its ``forward_all`` method when it has one
+(``scoring_method``), else the continuation goes one token a call. Identical continuations of one
+context (boolq's "yes"/"no" are one token: both read the context's last logits) share one run.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class RunnerLM(TemplateLM):
     def __init__(self, runner, tokenizer, *, max_length: int | None = None, add_bos_token: bool | None = None,
                  progress: bool = False):
         super().__init__()
-        self.runner = runner
+        #: the runner, or one over the same artifact that returns every position's logits per call
+        self.runner = runner.scoring_runner()
         self.tokenizer = tokenizer
         self.add_bos_token = add_bos_token
         limit = getattr(runner, "max_seq_len", None)
@@ -55,7 +57,7 @@ class RunnerLM(TemplateLM):
             self._max_length = int(limit)
         self.progress = progress
         #: runner calls and tokens fed, for the report
-        self.stats = {"requests": 0, "runs": 0, "tokens": 0}
+        self.stats = {"requests": 0, "contexts": 0, "runs": 0, "tokens": 0, "method": getattr(self.runner, "method", None)}
 
     # -- tokens, as HFLM -------------------------------------------------------------------------
     @property
@@ -84,25 +86,30 @@ class RunnerLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # -- scoring -------------------------------------------------------------------------------
-    def _run(self, inp: list[int], start: int) -> torch.Tensor:
-        """Log-probabilities (float32) at positions ``start..len(inp)-1`` of ``inp`` fed from a clean state."""
+    def _continue(self, prefix: list[int], rest: list[int], fresh: bool) -> torch.Tensor:
+        """Logits for ``rest`` fed after ``prefix`` (``[len(rest), V]``). ``fresh``: the runner holds
+        exactly ``prefix`` now; else it is cut back to it (or, where it cannot be, fed it again)."""
         r = self.runner
-        r.reset()
-        if start > 0:
-            r.forward(torch.tensor(inp[:start], dtype=torch.long), all_logits=False)
-        logits = r.forward(torch.tensor(inp[start:], dtype=torch.long), all_logits=True)
+        if not fresh and not r.truncate(len(prefix)):
+            r.reset()
+            r.forward(torch.tensor(prefix, dtype=torch.long), all_logits=False)
+            self.stats["tokens"] += len(prefix)
         self.stats["runs"] += 1
-        self.stats["tokens"] += len(inp)
-        # float32, as lm-eval's HFLM: a float64 log-softmax differs from HFLM's by up to ~4e-4 nats on
-        # SmolLM2's 49k vocabulary (HFLM's own rounding); the sums are taken in float64
-        return torch.log_softmax(logits.float(), dim=-1)
+        self.stats["tokens"] += len(rest)
+        return r.forward(torch.tensor(rest, dtype=torch.long), all_logits=True)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """``(sum of log p(continuation), whether every continuation token is the argmax)`` per request."""
+        """``(sum of log p(continuation), whether every continuation token is the argmax)`` per request.
+
+        Requests are grouped by the tokens before their continuation's last context position (the
+        question a multiple-choice item asks once per choice): that prefix is fed once, and each
+        distinct continuation after it, the runner cut back to the prefix in between
+        (``Runner.truncate``; where a runtime cannot, the prefix is fed again)."""
         from tqdm.auto import tqdm
 
-        prepared = []
-        for _, ctx, cont in requests:
+        groups: dict[tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}
+        conts = []
+        for i, (_, ctx, cont) in enumerate(requests):
             if not ctx or not cont:
                 raise ValueError("a loglikelihood request needs a non-empty context and continuation "
                                  f"(got {len(ctx)} and {len(cont)} tokens)")
@@ -113,28 +120,36 @@ class RunnerLM(TemplateLM):
                 log.warning("request of %d tokens exceeds max_length=%d; truncating %d from the left",
                             len(whole), self.max_length, len(whole) - self.max_length - 1)
             inp = whole[-(self.max_length + 1):][:-1]
-            prepared.append((tuple(inp), cont))
-        # identical inputs share a run; the run starts returning logits at the earliest needed position
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, (inp, _) in enumerate(prepared):
-            groups.setdefault(inp, []).append(i)
-        out: list[tuple[float, bool] | None] = [None] * len(prepared)
-        order = sorted(groups, key=lambda t: -len(t))  # longest first: a too-long input fails early
-        for inp in tqdm(order, desc=f"{getattr(self.runner, 'runtime', 'runner')} loglikelihood",
-                        disable=disable_tqdm or not self.progress):
-            idx = groups[inp]
-            start = min(len(inp) - len(prepared[i][1]) for i in idx)
-            logp = self._run(list(inp), start)
-            for i in idx:
-                cont = prepared[i][1]
-                lo = len(inp) - len(cont) - start
-                rows = logp[lo: lo + len(cont)]
-                target = torch.tensor(cont, dtype=torch.long)
-                ll = float(rows.gather(1, target[:, None]).double().sum())
-                greedy = bool((rows.argmax(-1) == target).all())
-                out[i] = (ll, greedy)
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], (ll, greedy))
-        self.stats["requests"] += len(prepared)
+            # logits at the prefix's last position predict cont[0]; cont[:-1] then gives the rest
+            cut = len(inp) - len(cont) + 1
+            groups.setdefault(tuple(inp[:cut]), {}).setdefault(tuple(inp[cut:]), []).append(i)
+            conts.append(cont)
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        # longest first: a too-long input fails early
+        order = sorted(groups, key=lambda p: -(len(p) + max(len(r) for r in groups[p])))
+        r = self.runner
+        for prefix in tqdm(order, desc=f"{getattr(r, 'runtime', 'runner')} loglikelihood",
+                           disable=disable_tqdm or not self.progress):
+            r.reset()
+            last = r.forward(torch.tensor(prefix, dtype=torch.long), all_logits=False)
+            self.stats["contexts"] += 1
+            self.stats["tokens"] += len(prefix)
+            fresh = True
+            for rest, idx in groups[prefix].items():
+                logits = last
+                if rest:
+                    logits = torch.cat([last, self._continue(list(prefix), list(rest), fresh)], 0)
+                    fresh = False
+                # float32, as lm-eval's HFLM: a float64 log-softmax differs from HFLM's by up to ~4e-4
+                # nats on SmolLM2's 49k vocabulary (HFLM's own rounding); the sums are taken in float64
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                for i in idx:
+                    target = torch.tensor(conts[i], dtype=torch.long)
+                    ll = float(logp.gather(1, target[:, None]).double().sum())
+                    greedy = bool((logp.argmax(-1) == target).all())
+                    out[i] = (ll, greedy)
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], (ll, greedy))
+        self.stats["requests"] += len(requests)
         return out  # type: ignore[return-value]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

@@ -1,5 +1,5 @@
-"""``optimize fit``: recipes priced from bytes (no export) against a device, a Pareto table and the
-winning YAML."""
+"""``optimize fit``: recipes priced from bytes (no export) against a device, the finalists' perplexity
+measured on a short eval, a Pareto table, plot and the winning YAML; a refusal names the closest."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import yaml
 
 from optimize.cli import main
 from optimize.config import load_config
-from optimize.fit import fit
+import json
+
+import pytest
+
+from optimize.fit import FitRefused, fit
 from targets.devices import DEVICE_DIR
 
 
@@ -23,7 +27,7 @@ def test_fit_prices_recipes_and_writes_the_winner(tiny_cfg, tmp_path):
     tiny_cfg["stages"] = [{"kind": "ptq_int8", "scheme": "8da4w"}]
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(tiny_cfg))
-    res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit")
+    res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", windows=0)  # bytes only
     groups = {r.group_size for r in res.rows if r.scheme == "8da4w"}
     assert groups == {32, 64}  # 128 does not divide the tiny model's 64-wide inputs
     assert any(r.pareto for r in res.rows) and all(r.fits for r in res.rows)
@@ -31,25 +35,88 @@ def test_fit_prices_recipes_and_writes_the_winner(tiny_cfg, tmp_path):
     fp32_head = by["8da8w, lm_head fp32, embedding fp32"]
     int8_all = by["8da8w, lm_head same, embedding int8"]
     assert int8_all.artifact_bytes < fp32_head.artifact_bytes and int8_all.decode_ceiling_tok_s > fp32_head.decode_ceiling_tok_s
-    assert res.winner is fp32_head  # everything fits and there is no decode budget: the least quantized
+    fp32 = by["fp32 (no quantization)"]
+    assert fp32.artifact_bytes > fp32_head.artifact_bytes and fp32.quality_penalty == 0
+    assert res.winner is fp32  # everything fits, no decode budget, nothing measured: the least quantized
     written = (tmp_path / "fit" / "fit.yaml").read_text()
     assert "predicted decode ceiling" in written and "quantizing stages dropped" in written
     cfg = load_config(tmp_path / "fit" / "fit.yaml")
     assert cfg.stages == [] and cfg.device_profile == "raspberry-pi-5"
-    assert cfg.export["executorch"] == {"quantize": "8da8w", "lm_head": "fp32", "embedding_quantize": None}
+    assert cfg.name == f"{load_config(path).name}-fit-raspberry-pi-5"  # its own run directory
+    assert str(cfg.output_dir) == tiny_cfg["output_dir"] + "-fit-raspberry-pi-5"
+    assert cfg.export["executorch"] == {"quantize": "none", "lm_head": "same", "embedding_quantize": None}
     assert "decode ceiling tok/s (predicted)" in (tmp_path / "fit" / "fit.md").read_text()
 
 
 def test_a_decode_budget_and_a_small_memory_choose_and_refuse(tiny_cfg, tmp_path, capsys):
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(tiny_cfg))
-    loose = fit(path, _device(tmp_path), out_dir=tmp_path / "a")
+    loose = fit(path, _device(tmp_path), out_dir=tmp_path / "a", windows=0)
     rates = sorted({r.decode_ceiling_tok_s for r in loose.rows})
     budget = rates[-2] + 1  # only the fastest recipes meet it
-    res = fit(path, _device(tmp_path, budgets={"decode_tok_s": budget}), out_dir=tmp_path / "b")
+    res = fit(path, _device(tmp_path, budgets={"decode_tok_s": budget}), out_dir=tmp_path / "b", windows=0)
     assert res.winner is not None and res.winner.decode_ceiling_tok_s >= budget and res.winner.scheme == "8da4w"
     assert any("predicted ceiling" in r.why_not for r in res.rows)
+    assert fit(path, _device(tmp_path), out_dir=tmp_path / "b2", windows=0, decode_tok_s=budget).winner.label() \
+        == res.winner.label()  # the CLI's budget works as the profile's
     tiny = _device(tmp_path, memory={"total_gib": 1, "usable_gib": 0.001, "usable_basis": "test"})
-    assert main(["fit", str(path), "--device-profile", tiny, "--output", str(tmp_path / "c")]) == 1
-    out = capsys.readouterr().out
-    assert "no recipe fits tiny-board" in out and "> usable 1 MiB" in out
+    assert main(["fit", str(path), "--device-profile", tiny, "--output", str(tmp_path / "c"), "--windows", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no recipe fits tiny-board: the closest, ")
+    assert "> usable 1 MiB" in err[0]
+    rows = json.loads((tmp_path / "c" / "fit.json").read_text())["rows"]
+    closest = min(rows, key=lambda r: r["miss"])
+    assert closest["label"] in err[0] and closest["memory_bytes"] == min(r["memory_bytes"] for r in rows)
+
+
+def test_finalists_are_measured_and_the_lowest_perplexity_wins(tiny_cfg, tmp_path):
+    """The finalists' perplexity is the exporter's quantization measured on the eval split (the fp32
+    row equals the baseline to 1e-6); the winner is the lowest measured one; the plot is drawn."""
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", windows=2, finalists=4)
+    measured = [r for r in res.rows if r.measured]
+    assert len(measured) == 4 and res.quality["windows"] == 2
+    assert res.winner in measured and res.winner.perplexity == min(r.perplexity for r in measured)
+    fp32 = next(r for r in measured if r.scheme == "none")  # penalty 0: the first finalist
+    assert abs(fp32.perplexity - res.quality["baseline_perplexity"]) <= 1e-6 * fp32.perplexity
+    assert all(r.perplexity_delta_pct > -50 for r in measured)
+    assert (tmp_path / "fit" / "fit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "MEASURED for the finalists" in (tmp_path / "fit" / "fit.md").read_text()
+    assert "measured perplexity" in (tmp_path / "fit" / "fit.yaml").read_text()
+    # a perplexity budget: the recipes above it do not fit, and say why
+    top = max(r.perplexity_delta_pct for r in measured)
+    if top > 0:
+        res2 = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit2", windows=2, finalists=4, max_ppl_pct=top / 2)
+        over = [r for r in res2.rows if r.measured and r.perplexity_delta_pct > top / 2]
+        assert over and all(not r.fits and "perplexity" in r.why_not for r in over)
+        assert res2.winner.perplexity_delta_pct <= top / 2
+
+
+def test_every_finalist_over_the_perplexity_budget_is_a_refusal(tiny_cfg, tmp_path, monkeypatch):
+    import optimize.fit_quality as fq
+
+    def lossy(cfg, rows, **kw):
+        for r in rows:
+            r.perplexity, r.perplexity_delta_pct = 99.0, 12.0 + r.quality_penalty
+        return {"baseline_perplexity": 88.0, "windows": 1, "tokens": 8}
+
+    monkeypatch.setattr(fq, "measure_finalists", lossy)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**tiny_cfg, "gates": {"perplexity": {"max_pct_degradation": 8}}}))
+    with pytest.raises(FitRefused, match=r"the closest, fp32 \(no quantization\), misses by "
+                                         r"perplexity \+12\.00% > 8%") as err:
+        fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", finalists=2)  # the YAML's gate is the budget
+    assert err.value.result.winner is None and (tmp_path / "fit" / "fit.md").exists()
+
+
+def test_the_api_is_quiet_and_the_log_keeps_the_measurement(tiny_cfg, tmp_path, capfd):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    capfd.readouterr()
+    lines = []
+    res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", windows=1, finalists=2, log=lines.append)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # no bars, no library warnings on the process's descriptors
+    assert res.winner is not None and len(lines) == 3  # the baseline and one line per finalist
+    assert "win" in (tmp_path / "fit" / "fit.log").read_text()  # the bars went to the log

@@ -165,3 +165,17 @@ def test_export_rows_report_memory_and_a_device_that_does_not_fit_fails_with_fig
     assert "## Memory of the exported artifacts (measured on this host)" in md
     assert "## Device `fake-device` (phone): fit and PREDICTED decode" in md and "decode tok/s (predicted)" in md
     assert "Method (predicted, not measured on the device)" in md and "does NOT fit" in md
+
+
+def test_one_recipes_efficiency_predicts_anothers_decode():
+    from optimize.predict import DevicePrediction, predict_from_another
+
+    common = dict(device="host", kind="host", usable_memory_bytes=2**33, storage_bytes=2**35, device_bandwidth_gb_s=10.0)
+    src = DevicePrediction(**common, host_bandwidth_gb_s=10.0, host_fraction_of_ceiling=0.5,
+                           weight_bytes_per_token=50_000_000, kv_bytes_per_token=0)
+    dst = DevicePrediction(**common, host_bandwidth_gb_s=10.0, weight_bytes_per_token=90_000_000,
+                           kv_bytes_per_token=10_000_000, host_decode_tok_s=48.0)
+    assert predict_from_another(src, dst) == 50.0  # 0.5 x 10 GB/s / 100 MB
+    capped = src.model_copy(update={"host_fraction_of_ceiling": 1.7})  # weights in cache: capped at the ceiling
+    assert predict_from_another(capped, dst) == 100.0
+    assert predict_from_another(dst, src) is None  # the source has no measured fraction

@@ -40,3 +40,11 @@ def test_boolean_options_refuse_other_values(field):
     assert getattr(ExecuTorchOptions(), field) is True
     with pytest.raises(ValidationError, match=rf"{field}\n  Input should be a valid boolean"):
         ExecuTorchOptions(**{field: "sometimes"})  # a wrong value names the field and what it takes
+
+
+def test_scoring_method_is_refused_beside_an_all_positions_forward():
+    assert ExecuTorchOptions().scoring_method is None  # null: the pipeline decides from checks.tasks
+    with pytest.raises(ValidationError, match="forward already returns every position"):
+        ExecuTorchOptions(logits="all", scoring_method=True)
+    assert ExecuTorchOptions(logits="all", scoring_method=False).scoring_method is False
+

@@ -80,6 +80,24 @@ def test_prefill_then_decode_matches_eager_step_by_step(tiny, exported, text_ids
     assert last.shape == (1, TINY["vocab_size"]) and last.dtype == torch.float32
 
 
+def test_truncate_cuts_the_past_back_as_eager_crops_its_cache(tiny, exported, text_ids):
+    """Shared-context scoring: prefix, one continuation, cut back, another continuation = a fresh run
+    of prefix + the other (1e-5: the same graph on the same past), in ONNX Runtime and in eager."""
+    ids = text_ids["eval"][0]
+    prefix, a, b = ids[:24], ids[24:36], ids[40:49]
+    for r in (OnnxRuntimeExporter().load(exported["fp32"].artifact), EagerRunner(tiny.model)):
+        r.reset()
+        r.forward(prefix, all_logits=False)
+        r.forward(a)
+        assert r.truncate(24) and r.position == 24
+        cut = r.forward(b)
+        r.reset()
+        r.forward(prefix, all_logits=False)
+        assert (cut - r.forward(b)).abs().max() <= 1e-5, r.runtime
+        with pytest.raises(ValueError, match="truncate"):
+            r.truncate(0)
+
+
 def test_greedy_generation_matches_eager(tiny, exported, text_ids):
     runner = OnnxRuntimeExporter().load(exported["fp32"].artifact)
     res = greedy_match(EagerRunner(tiny.model), runner, text_ids["eval"][1][:24], 24)

@@ -78,6 +78,15 @@ def test_family_matches_eager_past_the_window(family, smollm2_tokenizer, tmp_pat
     gm = greedy_match(EagerRunner(model), genai, IDS[:6], 24)  # 30 positions: past the window
     assert gm["match"], gm
     assert res.manifest["smoke_check"]["genai_greedy"]["match"]
+    for r in (runner, genai):  # shared-context scoring: cut back to the context, continue = a fresh run
+        r.reset()
+        r.forward(IDS[:10], all_logits=False)
+        r.forward(IDS[10:22])  # past the sliding windows: the cut must restore what they dropped
+        assert r.truncate(10) and r.position == 10, (family, r.runtime)
+        cut = r.forward(IDS[22:30])
+        r.reset()
+        r.forward(IDS[:10], all_logits=False)
+        assert (cut - r.forward(IDS[22:30])).abs().max() < 1e-5, (family, r.runtime)
 
 
 # ---------------------------------------------------------------- quantization carried over

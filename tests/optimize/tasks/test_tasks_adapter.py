@@ -106,7 +106,7 @@ def test_generation_is_refused_clearly(tiny_lm):
         RunnerLM(EagerRunner(model), tok).generate_until([])
 
 
-def test_identical_inputs_share_one_run_and_context_is_fed_without_all_logits(tiny_lm):
+def test_one_token_choices_read_the_contexts_last_logits(tiny_lm):
     from optimize.tasks.adapter import RunnerLM, loglikelihoods
 
     model, tok = tiny_lm
@@ -119,6 +119,51 @@ def test_identical_inputs_share_one_run_and_context_is_fed_without_all_logits(ti
 
     lm = RunnerLM(Spy(model), tok)
     loglikelihoods(lm, [("Is the sky blue? Answer:", " yes"), ("Is the sky blue? Answer:", " no")])
-    if len(tok.encode(" yes")) == len(tok.encode(" no")) == 1:
-        assert lm.stats["runs"] == 1  # one-token continuations of one context: one run
-    assert calls[0][1] is False and all(a for _, a in calls[1:2])
+    assert len(tok.encode(" yes")) == len(tok.encode(" no")) == 1
+    # one prefill of the context, without every position's logits; both choices read its last logits
+    assert [a for _, a in calls] == [False] and lm.stats["contexts"] == 1 and lm.stats["runs"] == 0
+
+
+class _NoTruncate(EagerRunner):
+    """A runtime that cannot drop cached positions (the base Runner's answer)."""
+
+    def truncate(self, n):
+        return False
+
+
+def test_choices_share_the_context_and_equal_fresh_runs(tiny_lm):
+    """Multi-token choices of one context: the context is fed once and the cache cut back to it between
+    choices; the log-likelihoods equal a runner that feeds the context again for each (1e-5 nats: the
+    same float32 ops, cache cropped instead of rebuilt)."""
+    from optimize.tasks.adapter import RunnerLM, loglikelihoods
+
+    model, tok = tiny_lm
+    ctx = "The committee met on Tuesday to decide"
+    pairs = [(ctx, " whether the bridge would be rebuilt"), (ctx, " nothing at all, as usual"),
+             (ctx, " the budget"), ("Another question entirely:", " and its answer")]
+    calls = []
+
+    class Spy(EagerRunner):
+        def forward(self, ids, *, all_logits=True):
+            calls.append(all_logits)
+            return super().forward(ids, all_logits=all_logits)
+
+    shared = RunnerLM(Spy(model), tok)
+    got = loglikelihoods(shared, pairs)
+    assert shared.stats["contexts"] == 2  # two distinct contexts, each fed once
+    assert calls.count(False) == 2 and shared.stats["runs"] == 4
+    refed = RunnerLM(_NoTruncate(model), tok)
+    want = loglikelihoods(refed, pairs)
+    assert refed.stats["contexts"] == 2 and refed.stats["tokens"] > shared.stats["tokens"]
+    for (a, ga), (b, gb) in zip(got, want):
+        assert abs(a - b) <= 1e-5 and ga == gb
+    # and each equals HFLM's one-pass score
+    ref = _hflm(model, tok).loglikelihood(_instances(pairs), disable_tqdm=True)
+    for (a, _), (b, _) in zip(got, ref):
+        assert abs(a - b) <= TOL
+
+
+def _instances(pairs):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]

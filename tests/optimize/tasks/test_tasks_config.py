@@ -62,3 +62,27 @@ def test_defaults_and_selection():
     assert not t.selects(0, "0:awq", "awq")
     assert TasksConfig(names=["piqa"], rows=[0]).selects(0, "0:awq", "awq")
     assert not TasksConfig().enabled
+
+
+def test_the_executorch_export_gets_its_scoring_method_exactly_when_tasks_score_it(tiny_cfg):
+    import copy
+
+    from optimize.config import export_options, load_config
+    from targets.profile import load_target
+
+    profile = load_target("executorch")
+
+    def resolved(tasks=None, block=None):
+        cfg = copy.deepcopy(tiny_cfg)
+        cfg["target"] = "executorch"
+        if tasks is not None:
+            cfg["checks"]["tasks"] = tasks
+        if block is not None:
+            cfg["export"] = {"executorch": block}
+        return export_options(load_config(cfg), "executorch", profile).scoring_method
+
+    assert resolved({"names": ["piqa"]}) is True  # rows default to baseline + export
+    assert resolved({"names": ["piqa"], "rows": ["baseline"]}) is False
+    assert resolved() is False
+    assert resolved({"names": ["piqa"]}, {"scoring_method": False}) is False  # the YAML's word stands
+    assert resolved({"names": ["piqa"]}, {"logits": "all"}) is False  # forward returns every position already

@@ -73,8 +73,8 @@ def test_pipeline_scores_rows_writes_the_table_and_a_task_gate_stops_the_run(tin
 @needs_tasks
 @pytest.mark.slow
 def test_the_export_row_is_scored_in_its_runtime(tiny_cfg):
-    """An fp32 ExecuTorch export scores what eager scores (the .pte returns only the last position's
-    logits, so the continuation is fed token by token)."""
+    """An fp32 ExecuTorch export scores what eager scores. The .pte's forward returns only the last
+    position's logits, so checks.tasks has the exporter add forward_all, and scoring goes through it."""
     tiny_cfg.update(target="executorch")
     tiny_cfg["checks"]["latency"]["enabled"] = False
     tiny_cfg["checks"]["generate_tokens"] = 0
@@ -84,6 +84,8 @@ def test_the_export_row_is_scored_in_its_runtime(tiny_cfg):
     assert report.ok, report.verdict()
     base, exp = report.rows[0], report.rows[-1]
     assert exp.runtime == "executorch" and exp.details["tasks"]["runtime"] == "executorch"
+    assert exp.details["tasks"]["method"] == "forward_all" and exp.details["llm_ops"]["scoring_method"] == "forward_all"
+    assert exp.details["tasks"]["contexts"] < exp.details["tasks"]["requests"]  # choices shared their context
     for t in ("arc_easy", "piqa"):
         assert exp.metrics.tasks[t].acc == base.metrics.tasks[t].acc
         assert exp.metrics.tasks[t].acc_norm == base.metrics.tasks[t].acc_norm

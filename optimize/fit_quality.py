@@ -1,0 +1,59 @@
+"""Measured accuracy for ``optimize fit``'s finalists, so the winner is chosen by a perplexity, not a guess.
+
+Bytes price every recipe in milliseconds (:mod:`optimize.fit`); the ones that fit the device go on
+here, best-looking first. Each is applied to a copy of the model exactly as the ExecuTorch exporter
+applies it (``export.executorch.quant._apply_quantization``: torchao's 8da8w / 8da4w Linear layers, the
+``lm_head`` choice, the embedding table's weight-only int8/int4), so the weights measured are the
+weights the ``.pte`` would hold; perplexity is taken in eager PyTorch on the first ``windows`` windows
+of the pipeline's own eval split (``data``). That short eval ranks the recipes; the full figure, in
+the runtime, comes from running the ``fit.yaml`` it writes. Stages of the YAML that do not quantize
+(distillation, rewrites) are not run here: the recipes are measured on the model as loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Sequence
+
+
+def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, windows: int,
+                      log: Callable[[str], None] = lambda m: None) -> dict:
+    """Set ``perplexity`` and ``perplexity_delta_pct`` on each of ``rows`` (:class:`optimize.fit.Priced`);
+    returns what was measured (baseline perplexity, windows, tokens)."""
+    import torch
+
+    from export.executorch.options import ExecuTorchOptions
+    from export.executorch.quant import _apply_quantization
+    from export.runtime import EagerRunner
+    from optimize.checks.accuracy import eval_windows, evaluate
+    from train.corpus import load_text, split_corpus, tokenize
+    from train.sources import load_model
+
+    if windows < 1:
+        raise ValueError(f"windows must be >= 1, got {windows}")
+    loaded = load_model(cfg.model)
+    model = loaded.model.float().eval()
+    ids = tokenize(load_text(cfg.data.corpus), loaded.tokenizer)
+    splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=cfg.data.calibration_tokens,
+                          corpus=cfg.data.corpus)
+    wins = eval_windows(splits.eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
+    tokens = sum(int(w.numel()) - 1 for w in wins)
+    with torch.inference_mode():
+        base = evaluate(EagerRunner(model), wins, desc="fp32").perplexity
+    log(f"fit: fp32 perplexity {base:.3f} on {len(wins)} windows ({tokens} tokens)")
+    for i, row in enumerate(rows):
+        quantized = copy.deepcopy(model)
+        _apply_quantization(quantized, ExecuTorchOptions.model_validate({**row.export_block(),
+                                                                         "max_seq_len": max_seq_len}))
+        with torch.inference_mode():
+            ppl = evaluate(EagerRunner(quantized), wins, desc=row.label()).perplexity
+        del quantized
+        row.perplexity = round(ppl, 4)
+        row.perplexity_delta_pct = round(100.0 * (ppl / base - 1.0), 3) if math.isfinite(ppl) else math.inf
+        log(f"fit: {i + 1}/{len(rows)} {row.label()}: perplexity {ppl:.3f} ({row.perplexity_delta_pct:+.2f}%)")
+    return {"baseline_perplexity": round(base, 4), "windows": len(wins), "tokens": tokens,
+            "method": "eager PyTorch, the exporter's own quantization of the weights"}
+
+
+__all__ = ["measure_finalists"]
