@@ -83,6 +83,32 @@ def hflm_check(model, tokenizer, names, items: int) -> dict:
             "hflm_s": round(t_ref, 2)}
 
 
+def eager_ab(model, tokenizer, names, limit: int, rounds: int, log) -> dict:
+    """Eager scoring with the choices of an item as one batch (``EagerRunner.forward_each``) against one
+    at a time (cache cut back in between), round-robin; the scores must be equal."""
+    from export.runtime import EagerRunner
+    from optimize.tasks.evaluate import evaluate_tasks
+
+    class OneByOne(EagerRunner):
+        def forward_each(self, rests):
+            return None
+
+    times: dict[str, list[float]] = {"batched": [], "one_by_one": []}
+    scores = {}
+    for _ in range(rounds):
+        for name, cls in (("batched", EagerRunner), ("one_by_one", OneByOne)):
+            t0 = time.perf_counter()
+            got, _ = evaluate_tasks(cls(model), tokenizer, names, limit=limit,
+                                    max_length=model.config.max_position_embeddings)
+            times[name].append(time.perf_counter() - t0)
+            scores[name] = [round(s.score, 4) for s in got]
+    ratio = min(times["one_by_one"]) / min(times["batched"])
+    log(f"eager A/B, first {limit} items: batched {min(times['batched']):.1f} s, one at a time "
+        f"{min(times['one_by_one']):.1f} s (x{ratio:.2f}); scores equal: {scores['batched'] == scores['one_by_one']}")
+    return {"limit": limit, "rounds": rounds, "seconds": times, "one_by_one_over_batched": ratio,
+            "scores_equal": scores["batched"] == scores["one_by_one"]}
+
+
 def table(rows: dict, names: list[str]) -> str:
     labels = list(rows)
     out = ["| task | metric | items | " + " | ".join(labels) + " |", "|---|---|---:|" + "---:|" * len(labels)]
@@ -117,6 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="*", default=["eager", "pte", "onnx"], choices=["eager", "pte", "onnx"])
     ap.add_argument("--build", action="store_true", help="run the recipes whose artifact is missing")
     ap.add_argument("--check-items", type=int, default=4, help="items per task for the HFLM check (0: skip)")
+    ap.add_argument("--eager-ab", type=int, default=0, metavar="N",
+                    help="before the rows: eager scoring of the first N items with each item's choices batched "
+                    "against one at a time, round-robin (0: skip)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=Path("/tmp/bench_tasks.json"))
     args = ap.parse_args(argv)
@@ -144,6 +173,8 @@ def main(argv=None) -> int:
         log(f"  {chk['requests']} requests: max |ours - HFLM| = {chk['max_abs_diff']:.2e} nats "
             f"(mean {chk['mean_abs_diff']:.2e}), greedy flags equal: {chk['greedy_equal']}")
 
+    if args.eager_ab:
+        results["eager_ab"] = eager_ab(model, tok, args.tasks, args.eager_ab, 2, log)
     sources = {"eager": ("fp32 eager", None), "pte": ("executorch .pte", args.pte),
                "onnx": ("onnxruntime int4", args.onnx_dir)}
     for key in args.rows:

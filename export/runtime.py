@@ -8,6 +8,7 @@ measured the eager model before it. A runner is stateful: it holds a KV cache an
 from __future__ import annotations
 
 import abc
+import copy
 from typing import Callable, Iterable
 
 import torch
@@ -80,6 +81,12 @@ class Runner(abc.ABC):
         if not 0 < n <= self.position:
             raise ValueError(f"truncate({n}): the cache holds {self.position} positions")
         return False
+
+    def forward_each(self, rests: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Logits (``[len(r), vocab]`` each) for every one of ``rests`` fed after what the cache holds
+        now, each as if alone, in one batched call; the cache is left as it was. None where this
+        runtime has no batched path: the caller feeds them one at a time (``truncate`` in between)."""
+        return None
 
     def scoring_runner(self) -> "Runner":
         """The runner to score log-likelihoods with: this one, or one over the same artifact that
@@ -176,15 +183,45 @@ class EagerRunner(Runner):
         self._pos += t
         return out.logits[0].float()
 
+    def _plain_cache(self) -> bool:
+        """Whether every layer keeps every position (no sliding window, no linear attention)."""
+        layers = getattr(self._cache, "layers", None)
+        return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
     def truncate(self, n: int) -> bool:
         """Crop the DynamicCache; a sliding-window or linear-attention layer cannot give back what it
         dropped, so such caches answer False."""
         if not 0 < n <= self.position:
             return super().truncate(n)
-        layers = getattr(self._cache, "layers", None)
-        if layers is None or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        if not self._plain_cache():
             return False
         if n < self._pos:  # a negative count removes that many positions (every transformers version)
             self._cache.crop(n - self._pos)
         self._pos = n
         return True
+
+    @torch.inference_mode()
+    def forward_each(self, rests: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The choices of one context as one batch: the cache copied once per choice, the choices
+        right-padded (a pad only follows the tokens it could disturb, and causal attention keeps it
+        from reaching back), every row at the same positions."""
+        if self._cache is None or len(rests) < 2 or not self._plain_cache():
+            return None
+        rests = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rests]
+        lengths = [int(r.numel()) for r in rests]
+        if min(lengths) == 0:
+            raise RunnerInputError("forward_each needs at least one token in every row")
+        longest = max(lengths)
+        if self.max_seq_len is not None and self._pos + longest > self.max_seq_len:
+            raise RunnerInputError(f"the KV cache is full: {self._pos} cached + {longest} new tokens exceed "
+                                   f"max_seq_len={self.max_seq_len}")
+        device = next(self.model.parameters()).device
+        ids = torch.zeros(len(rests), longest, dtype=torch.long)
+        for i, r in enumerate(rests):
+            ids[i, : lengths[i]] = r
+        cache = copy.deepcopy(self._cache)
+        cache.batch_repeat_interleave(len(rests))
+        pos = torch.arange(self._pos, self._pos + longest, device=device)
+        out = self.model(input_ids=ids.to(device), position_ids=pos.unsqueeze(0).expand(len(rests), -1),
+                         cache_position=pos, past_key_values=cache, use_cache=True)
+        return [out.logits[i, : lengths[i]].float() for i in range(len(rests))]

@@ -10,7 +10,8 @@ log-likelihoods equal HFLM's on the same model (tests/optimize/tasks/test_adapte
 How a request is fed: the context with ``all_logits=False`` (one chunked prefill; a runtime that
 can skip the output projection for those positions does), then the continuation with
 ``all_logits=True``. The choices of one multiple-choice item share their context: it is fed once,
-and the runner is cut back to it (``Runner.truncate``) before each choice. A ``.pte`` exported with
+then the choices go as one batch where the runtime has a batched path (``Runner.forward_each``:
+eager), else one at a time with the runner cut back to the context (``Runner.truncate``) in between. A ``.pte`` exported with
 ``logits: last`` is scored through its ``forward_all`` method when it has one
 (``scoring_method``), else the continuation goes one token a call. Identical continuations of one
 context (boolq's "yes"/"no" are one token: both read the context's last logits) share one run.
@@ -135,9 +136,17 @@ class RunnerLM(TemplateLM):
             self.stats["contexts"] += 1
             self.stats["tokens"] += len(prefix)
             fresh = True
+            rests = [rest for rest in groups[prefix] if rest]
+            batched = r.forward_each([torch.tensor(x, dtype=torch.long) for x in rests]) if len(rests) > 1 else None
+            if batched is not None:  # the runtime scored every choice in one call
+                self.stats["runs"] += 1
+                self.stats["tokens"] += sum(len(x) for x in rests)
+                batched = dict(zip(rests, batched))
             for rest, idx in groups[prefix].items():
                 logits = last
-                if rest:
+                if rest and batched is not None:
+                    logits = torch.cat([last, batched[rest]], 0)
+                elif rest:
                     logits = torch.cat([last, self._continue(list(prefix), list(rest), fresh)], 0)
                     fresh = False
                 # float32, as lm-eval's HFLM: a float64 log-softmax differs from HFLM's by up to ~4e-4

@@ -124,17 +124,24 @@ def test_one_token_choices_read_the_contexts_last_logits(tiny_lm):
     assert [a for _, a in calls] == [False] and lm.stats["contexts"] == 1 and lm.stats["runs"] == 0
 
 
-class _NoTruncate(EagerRunner):
-    """A runtime that cannot drop cached positions (the base Runner's answer)."""
+class _OneByOne(EagerRunner):
+    """Choices one at a time, the cache cut back in between (a runtime without a batched path)."""
+
+    def forward_each(self, rests):
+        return None
+
+
+class _NoTruncate(_OneByOne):
+    """A runtime that can neither batch nor drop cached positions (the base Runner's answers)."""
 
     def truncate(self, n):
         return False
 
 
 def test_choices_share_the_context_and_equal_fresh_runs(tiny_lm):
-    """Multi-token choices of one context: the context is fed once and the cache cut back to it between
-    choices; the log-likelihoods equal a runner that feeds the context again for each (1e-5 nats: the
-    same float32 ops, cache cropped instead of rebuilt)."""
+    """Multi-token choices of one context: the context is fed once, and the choices go as one batch
+    (eager's forward_each), or one at a time with the cache cut back in between, or after the context
+    fed again: the three give the same log-likelihoods (1e-5 nats), and each equals HFLM's (1e-4)."""
     from optimize.tasks.adapter import RunnerLM, loglikelihoods
 
     model, tok = tiny_lm
@@ -148,19 +155,36 @@ def test_choices_share_the_context_and_equal_fresh_runs(tiny_lm):
             calls.append(all_logits)
             return super().forward(ids, all_logits=all_logits)
 
-    shared = RunnerLM(Spy(model), tok)
-    got = loglikelihoods(shared, pairs)
-    assert shared.stats["contexts"] == 2  # two distinct contexts, each fed once
-    assert calls.count(False) == 2 and shared.stats["runs"] == 4
+    batched = RunnerLM(Spy(model), tok)
+    got = loglikelihoods(batched, pairs)
+    assert batched.stats["contexts"] == 2  # two distinct contexts, each fed once
+    # the three choices of the first context in one batched call, the other context's one choice alone
+    assert calls.count(False) == 2 and calls.count(True) == 1 and batched.stats["runs"] == 2
+    cut = RunnerLM(_OneByOne(model), tok)
     refed = RunnerLM(_NoTruncate(model), tok)
-    want = loglikelihoods(refed, pairs)
-    assert refed.stats["contexts"] == 2 and refed.stats["tokens"] > shared.stats["tokens"]
-    for (a, ga), (b, gb) in zip(got, want):
-        assert abs(a - b) <= 1e-5 and ga == gb
-    # and each equals HFLM's one-pass score
+    for other in (cut, refed):
+        want = loglikelihoods(other, pairs)
+        assert other.stats["contexts"] == 2 and other.stats["runs"] == 4
+        for (a, ga), (b, gb) in zip(got, want):
+            assert abs(a - b) <= 1e-5 and ga == gb
+    assert refed.stats["tokens"] > cut.stats["tokens"] == batched.stats["tokens"]
     ref = _hflm(model, tok).loglikelihood(_instances(pairs), disable_tqdm=True)
     for (a, _), (b, _) in zip(got, ref):
         assert abs(a - b) <= TOL
+
+
+def test_forward_each_leaves_the_cache_as_it_was(tiny_lm):
+    model, _ = tiny_lm
+    r = EagerRunner(model)
+    ctx, a, b = torch.arange(5, 17), torch.arange(30, 39), torch.arange(50, 53)
+    r.reset()
+    r.forward(ctx, all_logits=False)
+    both = r.forward_each([a, b])
+    assert r.position == 12 and [t.shape[0] for t in both] == [9, 3]
+    alone = r.forward(b)  # continues from the context, as if forward_each never ran
+    assert (alone - both[1]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="at least one token"):
+        r.forward_each([a, torch.tensor([], dtype=torch.long)])
 
 
 def _instances(pairs):
