@@ -96,6 +96,12 @@ def test_truncate_cuts_the_past_back_as_eager_crops_its_cache(tiny, exported, te
         assert (cut - r.forward(b)).abs().max() <= 1e-5, r.runtime
         with pytest.raises(ValueError, match="truncate"):
             r.truncate(0)
+        # the choices as one batch on the batch axis: the same logits, the cache as it was
+        r.reset()
+        r.forward(prefix, all_logits=False)
+        both = r.forward_each([a, b])
+        assert r.position == 24 and [t.shape[0] for t in both] == [12, 9]
+        assert (both[1] - r.forward(b)).abs().max() <= 1e-4, r.runtime
 
 
 def test_greedy_generation_matches_eager(tiny, exported, text_ids):
