@@ -371,15 +371,9 @@ def export_options(cfg: PipelineConfigBase, exporter_name: str, profile) -> Any:
         merged.setdefault("max_seq_len", profile.max_seq_len)
     merged.update(cfg.export.get(exporter_name, {}))
     options = options_model.model_validate(merged)
-    # a program that returns only the last position also gets its all-positions scoring method when
-    # checks.tasks will score it (the option's null); an explicit true/false stands
-    if "scoring_method" in options_model.model_fields and options.scoring_method is None:
-        label = f"export:{profile.name if profile is not None else exporter_name}"
-        tasks = cfg.checks.tasks
-        wanted = (tasks.enabled and tasks.selects(len(cfg.stages), label, label)
-                  and getattr(options, "logits", "last") == "last")
-        options = options.model_copy(update={"scoring_method": wanted})
-    return options
+    # options that depend on the rest of the run (ExecuTorch's scoring method on checks.tasks)
+    for_run = getattr(options, "for_run", None)
+    return for_run(cfg, f"export:{profile.name if profile is not None else exporter_name}") if for_run else options
 
 
 def dump_config(cfg: PipelineConfigBase) -> dict:

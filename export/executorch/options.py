@@ -93,6 +93,15 @@ class ExecuTorchOptions(ExportOptions):
     )
 
 
+    def for_run(self, cfg: Any, label: str) -> "ExecuTorchOptions":
+        """``scoring_method``'s null resolved for a pipeline run: on exactly when ``checks.tasks`` scores
+        the export row (``label``) and ``forward`` returns only the last position; true/false stand."""
+        if self.scoring_method is not None:
+            return self
+        tasks = cfg.checks.tasks
+        wanted = tasks.enabled and tasks.selects(len(cfg.stages), label, label) and self.logits == "last"
+        return self.model_copy(update={"scoring_method": wanted})
+
     @model_validator(mode="after")
     def _scoring_beside_last(self) -> "ExecuTorchOptions":
         if self.scoring_method and self.logits == "all":

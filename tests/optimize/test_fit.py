@@ -120,3 +120,13 @@ def test_the_api_is_quiet_and_the_log_keeps_the_measurement(tiny_cfg, tmp_path, 
     assert out == "" and err == ""  # no bars, no library warnings on the process's descriptors
     assert res.winner is not None and len(lines) == 3  # the baseline and one line per finalist
     assert "win" in (tmp_path / "fit" / "fit.log").read_text()  # the bars went to the log
+
+
+@pytest.mark.parametrize("kw, message", [({"windows": -1}, "windows must be >= 0"),
+                                         ({"finalists": 0}, "finalists >= 1"),
+                                         ({"target": "onnxruntime"}, "target 'onnxruntime' is not priced")])
+def test_bad_fit_arguments_are_refused(tiny_cfg, tmp_path, kw, message):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    with pytest.raises(ValueError, match=message):
+        fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", **kw)

@@ -35,9 +35,9 @@ def test_logits_option_refuses_other_values():
         ExecuTorchOptions(logits="first")  # a wrong value names the field and the choices
 
 
-@pytest.mark.parametrize("field", ["fuse_projections", "split_layers"])
+@pytest.mark.parametrize("field", ["fuse_projections", "split_layers", "scoring_method"])
 def test_boolean_options_refuse_other_values(field):
-    assert getattr(ExecuTorchOptions(), field) is True
+    assert getattr(ExecuTorchOptions(), field) is (None if field == "scoring_method" else True)
     with pytest.raises(ValidationError, match=rf"{field}\n  Input should be a valid boolean"):
         ExecuTorchOptions(**{field: "sometimes"})  # a wrong value names the field and what it takes
 
