@@ -35,9 +35,10 @@ def with_meta_model(config: Any, check: Callable[[nn.Module], list[str]]) -> lis
     return check(model) if model is not None else []
 
 
-def fold_problems(config: Any, folds: list[str] | tuple[str, ...]) -> list[str]:
-    """Why the equalization folds (smoothquant, awq) cannot apply to this architecture, if so."""
-    from optimize.quant.equalize import fold_groups
+def on_fold_layout(config: Any, check: Callable[[nn.Module], list[str]]) -> list[str]:
+    """``check(meta model)`` for an architecture whose fold layout is known (``fold_layouts``); the
+    layout's refusal, or a ``FoldRefused`` the check raises, as the one problem otherwise. What every
+    stage that folds into the norms (smoothquant, awq, rotate) asks before it runs."""
     from optimize.quant.fold_layouts import FoldRefused, layout_for
 
     try:
@@ -45,11 +46,21 @@ def fold_problems(config: Any, folds: list[str] | tuple[str, ...]) -> list[str]:
     except FoldRefused as exc:
         return [str(exc)]
 
-    def check(model: nn.Module) -> list[str]:
+    def guarded(model: nn.Module) -> list[str]:
         try:
-            fold_groups(model, tuple(folds))
+            return check(model)
         except FoldRefused as exc:
             return [str(exc)]
+
+    return with_meta_model(config, guarded)
+
+
+def fold_problems(config: Any, folds: list[str] | tuple[str, ...]) -> list[str]:
+    """Why the equalization folds (smoothquant, awq) cannot apply to this architecture, if so."""
+    from optimize.quant.equalize import fold_groups
+
+    def check(model: nn.Module) -> list[str]:
+        fold_groups(model, tuple(folds))
         return []
 
-    return with_meta_model(config, check)
+    return on_fold_layout(config, check)

@@ -18,7 +18,7 @@ from torch import nn
 
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
-from optimize.stages._preflight import with_meta_model
+from optimize.stages._preflight import on_fold_layout
 
 
 class RotateConfig(StageConfig):
@@ -48,19 +48,10 @@ class RotateConfig(StageConfig):
         return self
 
     def check_model(self, config: Any, target: Any | None) -> list[str]:
-        from optimize.quant.fold_layouts import FoldRefused, layout_for
         from optimize.quant.rotate import plan_rotation
 
-        try:
-            layout_for(config)
-        except FoldRefused as exc:
-            return [str(exc)]
-
         def check(model: nn.Module) -> list[str]:
-            try:
-                plan = plan_rotation(model, self.r1, self.r2)
-            except FoldRefused as exc:
-                return [str(exc)]
+            plan = plan_rotation(model, self.r1, self.r2)
             if self.r1 and plan.r1_refused:
                 return [f"R1 (residual stream) cannot be exact here: {plan.r1_refused}; set r1: false to apply R2 only"]
             if self.r1 and self.tied == "refuse" and getattr(config, "tie_word_embeddings", False):
@@ -68,7 +59,7 @@ class RotateConfig(StageConfig):
                         "ones, and tied: refuse forbids that (set tied: untie, or r1: false)"]
             return []
 
-        return with_meta_model(config, check)
+        return on_fold_layout(config, check)
 
     def planned_config(self, config: Any) -> Any:
         """R1 unties a tied embedding (the later stages see an untied model); the run confirms
