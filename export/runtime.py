@@ -67,6 +67,24 @@ class Runner(abc.ABC):
                 f"({limit - pos} positions left); call reset() or export with a larger max_seq_len")
         return ids
 
+    def checked_rows(self, rests: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        """``rests`` as one right-padded ``[k, longest]`` LongTensor (pads 0) and each row's length, for
+        :meth:`forward_each`; refused, as :meth:`checked_ids` refuses, when a row is empty or the
+        longest does not fit after what the cache holds."""
+        rows = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rests]
+        lengths = [int(r.numel()) for r in rows]
+        if min(lengths) == 0:
+            raise RunnerInputError("forward_each needs at least one token in every row")
+        pos, limit, longest = self.position, self.max_seq_len, max(lengths)
+        if limit is not None and pos + longest > limit:
+            where = f"{self.path.name}: " if getattr(self, "path", None) is not None else ""
+            raise RunnerInputError(f"{where}the KV cache is full: {pos} cached + {longest} new tokens exceed "
+                                   f"max_seq_len={limit}")
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : lengths[i]] = r
+        return ids, lengths
+
     @property
     def position(self) -> int:
         """Tokens held in the cache now."""
@@ -207,18 +225,9 @@ class EagerRunner(Runner):
         from reaching back), every row at the same positions."""
         if self._cache is None or len(rests) < 2 or not self._plain_cache():
             return None
-        rests = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rests]
-        lengths = [int(r.numel()) for r in rests]
-        if min(lengths) == 0:
-            raise RunnerInputError("forward_each needs at least one token in every row")
-        longest = max(lengths)
-        if self.max_seq_len is not None and self._pos + longest > self.max_seq_len:
-            raise RunnerInputError(f"the KV cache is full: {self._pos} cached + {longest} new tokens exceed "
-                                   f"max_seq_len={self.max_seq_len}")
+        ids, lengths = self.checked_rows(rests)
+        longest = ids.shape[1]
         device = next(self.model.parameters()).device
-        ids = torch.zeros(len(rests), longest, dtype=torch.long)
-        for i, r in enumerate(rests):
-            ids[i, : lengths[i]] = r
         cache = copy.deepcopy(self._cache)
         cache.batch_repeat_interleave(len(rests))
         pos = torch.arange(self._pos, self._pos + longest, device=device)

@@ -27,17 +27,14 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
     from export.executorch.quant import _apply_quantization
     from export.runtime import EagerRunner
     from optimize.checks.accuracy import eval_windows, evaluate
-    from train.corpus import load_text, split_corpus, tokenize
+    from train.corpus import split_data
     from train.sources import load_model
 
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
     loaded = load_model(cfg.model)
     model = loaded.model.float().eval()
-    ids = tokenize(load_text(cfg.data.corpus), loaded.tokenizer)
-    splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=cfg.data.calibration_tokens,
-                          corpus=cfg.data.corpus)
-    wins = eval_windows(splits.eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
+    wins = eval_windows(split_data(cfg.data, loaded.tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
     tokens = sum(int(w.numel()) - 1 for w in wins)
     with torch.inference_mode():
         base = evaluate(EagerRunner(model), wins, desc="fp32").perplexity

@@ -157,7 +157,7 @@ def _run_pipeline(config, target, overrides, output_dir, say, progress: bool, ca
 
 def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: bool = False) -> None:
     from targets import load_target
-    from train.corpus import load_text, split_corpus, tokenize
+    from train.corpus import split_data
     from train.sources import load_model
 
     torch.manual_seed(cfg.seed)
@@ -179,9 +179,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
     if device.type != "cpu" or dtype != loaded_dtype:
         say(f"stages and checks run on {device} in {str(dtype).removeprefix('torch.')}")
 
-    ids = tokenize(load_text(cfg.data.corpus), tokenizer)
-    splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=cfg.data.calibration_tokens,
-                          corpus=cfg.data.corpus)
+    splits = split_data(cfg.data, tokenizer)
     report.data = splits.describe()
     seq_len = cfg.data.seq_len
     if profile is not None and seq_len > profile.max_seq_len:

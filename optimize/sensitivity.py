@@ -242,7 +242,7 @@ def run_sensitivity(
     Output goes to ``out_dir`` (default ``<run dir>/sensitivity``).
     """
     from optimize.config import PipelineConfigBase, load_config
-    from train.corpus import load_text, split_corpus, tokenize
+    from train.corpus import split_data
     from train.corpus import windows as cut
     from train.sources import load_model
 
@@ -252,9 +252,7 @@ def run_sensitivity(
     cfg_scheme, cfg_gs = _scheme_from_config(cfg)
     scheme = scheme or cfg_scheme
     loaded = load_model(cfg.model)
-    ids = tokenize(load_text(cfg.data.corpus), loaded.tokenizer)
-    calib_tokens = max(cfg.data.calibration_tokens, windows * seq_len)
-    splits = split_corpus(ids, eval_tokens=cfg.data.eval_tokens, calib_tokens=calib_tokens, corpus=cfg.data.corpus)
+    splits = split_data(cfg.data, loaded.tokenizer, calib_tokens=max(cfg.data.calibration_tokens, windows * seq_len))
     wins = cut(splits.calib_ids, seq_len, max_windows=windows)
     report = analyze_sensitivity(loaded.model, wins, scheme, groups, group_size=cfg_gs or 32, algorithm=algorithm, log=log)
     write_sensitivity(report, Path(out_dir) if out_dir else cfg.run_dir() / "sensitivity")

@@ -105,6 +105,14 @@ def split_corpus(
     )
 
 
+def split_data(data: Any, tokenizer: Any, *, calib_tokens: int | None = None) -> CorpusSplits:
+    """A pipeline ``data`` block's corpus, tokenized and split (``corpus``, ``eval_tokens``,
+    ``calibration_tokens``; ``calib_tokens`` overrides the latter): what the pipeline, ``optimize
+    sensitivity`` and ``optimize fit`` all measure on."""
+    ids = tokenize(load_text(data.corpus), tokenizer)
+    calib = data.calibration_tokens if calib_tokens is None else calib_tokens
+    return split_corpus(ids, eval_tokens=data.eval_tokens, calib_tokens=calib, corpus=data.corpus)
+
 def windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> list[torch.Tensor]:
     """Cut ids into non-overlapping windows of ``seq_len`` (the last may be shorter, never < 2)."""
     out = []

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from export.runtime import Runner, RunnerError, RunnerInputError
+from export.runtime import Runner, RunnerError
 
 MANIFEST = "manifest.json"
 GRAPH_LEVELS = ("disable", "basic", "extended", "all")
@@ -141,18 +141,9 @@ class OnnxRuntimeRunner(Runner):
         the fused graph: ORT's GroupQueryAttention takes a batch above 1 only without a past."""
         if self._pos == 0 or len(rests) < 2 or "GroupQueryAttention" in (self.manifest.get("ops") or {}):
             return None
-        rests = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rests]
-        lengths = [int(r.numel()) for r in rests]
-        if min(lengths) == 0:
-            raise RunnerInputError("forward_each needs at least one token in every row")
-        k, longest = len(rests), max(lengths)
-        if self.max_seq_len is not None and self._pos + longest > self.max_seq_len:
-            raise RunnerInputError(f"{self.path.name}: the KV cache is full: {self._pos} cached + {longest} new "
-                                   f"tokens exceed max_seq_len={self.max_seq_len}")
-        ids = np.zeros((k, longest), dtype=np.int64)
-        for i, r in enumerate(rests):
-            ids[i, : lengths[i]] = r.numpy()
-        feeds = {"input_ids": ids, "attention_mask": np.ones((k, self._pos + longest), dtype=np.int64),
+        padded, lengths = self.checked_rows(rests)
+        k, longest = padded.shape
+        feeds = {"input_ids": padded.numpy(), "attention_mask": np.ones((k, self._pos + longest), dtype=np.int64),
                  **{n: np.repeat(a, k, axis=0) for n, a in self._past.items()}}
         if self._position_ids:
             feeds["position_ids"] = np.tile(np.arange(self._pos, self._pos + longest, dtype=np.int64), (k, 1))
