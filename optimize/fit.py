@@ -1,166 +1,54 @@
-"""``optimize fit``: price quantization recipes against a device from bytes alone, before exporting.
+"""``optimize fit``: search the recipes a device can hold, measure the finalists, write the winner.
 
-For a pipeline YAML's model (its config is read, no weights: a meta-device model gives the shapes)
-every candidate recipe of the ExecuTorch exporter's own quantization (``export.executorch``:
-``quantize`` 8da8w / 8da4w, ``group_size`` 32/64/128, ``lm_head`` same / 8da8w / fp32,
-``embedding_quantize`` int8 / int4 / none) is priced:
+For a pipeline YAML's model every candidate recipe (:mod:`optimize.fit_price`: the ExecuTorch
+exporter's quantization, ``weights: external`` for a tied table stored once, and each ``max_seq_len``
+asked for) is priced from bytes in milliseconds: artifact, memory, the PREDICTED decode ceiling and a
+heuristic quality order. The device's budgets rule recipes out; then the finalists (``finalists``
+distinct quantizations among the recipes that fit, best-looking first) get a measured perplexity on a
+short eval (:mod:`optimize.fit_quality`: the exporter's own quantization of the weights, eager
+PyTorch), shared by the recipes that differ only in storage or cache length. They are measured on the
+model after the YAML's leading stages that do not quantize, where a run of the YAML already finished
+them (:mod:`optimize.fit_stages`, which also links those checkpoints for ``fit.yaml``'s run).
 
-- ``artifact_bytes``: a single ``.pte``: every Linear at its precision, the embedding table at its own
-  (a tied table is stored twice: the lookup and lm_head), the rest fp32;
-- ``memory_bytes``: the artifact + XNNPACK's packed copy of the weights a token reads + the KV cache
-  at ``max_seq_len`` + one call's logits: the memory model that :mod:`optimize.memory` checks against
-  a measured peak (about 2% off for a ``.pte``), without an interpreter (an app embeds the C++ runtime);
-- ``decode_ceiling_tok_s``: PREDICTED upper bound, the device's practical bandwidth over the bytes a
-  token reads with the cache full (no host measurement: the pipeline's device rows refine it with the
-  fraction of the ceiling the artifact reaches on the host);
-- ``quality_penalty``: a heuristic ORDER of expected accuracy loss, not a measurement: int8 < int4 g32 <
-  g64 < g128 per weight byte, lm_head at int4 counted three times (it costs most of 8da4w's loss,
-  docs/executorch.md), the embedding's precision at a quarter. It only picks which recipes to measure.
-
-Then the finalists (``finalists`` of the recipes whose bytes fit, best-looking first) get a measured
-perplexity on a short eval (:mod:`optimize.fit_quality`: the exporter's own quantization of the
-weights, eager PyTorch). The winner is the lowest measured perplexity within the budgets (memory,
-storage, the predicted decode floor, ``max_ppl_pct``), then the smallest. ``fit.md`` holds the table,
-``fit.json`` the same as data, ``fit.png`` the plot, ``fit.yaml`` the pipeline YAML with the winner's
-``export.executorch`` block (stages that quantize are dropped: the exporter's quantization is what was
-priced); run it to measure the winner in the runtime. Nothing fits: :class:`FitRefused` names the
-closest recipe and what it misses.
+The winner: the longest ``max_seq_len`` at which a recipe fits (context is what the app was built
+for; a shorter cache is a way to fit, not a preference), then the lowest measured perplexity within
+the budgets (memory, storage, the predicted decode floor, ``max_ppl_pct``), then the least memory.
+``fit.md`` holds the table, ``fit.json`` the same as data, ``fit.png`` the plot, ``fit.yaml`` the
+pipeline YAML with the winner's ``export.executorch`` block (stages that quantize are dropped: the
+exporter's quantization is what was priced); run it to measure the winner in the runtime. Nothing
+fits: :class:`FitRefused` names the closest recipe and what it misses.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import itertools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
+from optimize import fit_stages
+from optimize.fit_price import Priced, candidates, model_shapes, price
+
 MIB = 2**20
-
-SCHEMES = ("8da8w", "8da4w")
-GROUPS = (32, 64, 128)
-LM_HEADS = ("same", "8da8w", "fp32")
-EMBEDDINGS = ("int8", "int4", None)
-#: expected loss per weight byte's worth, by precision: an ordering, not a measurement
-_PENALTY = {"fp32": 0.0, "int8": 1.0, "int4g32": 3.0, "int4g64": 4.0, "int4g128": 5.0}
-
-
-@dataclass
-class Priced:
-    scheme: str
-    group_size: int | None
-    lm_head: str
-    embedding: str | None
-    artifact_bytes: int
-    weight_bytes_per_token: int
-    kv_cache_bytes: int
-    memory_bytes: int
-    decode_ceiling_tok_s: float
-    quality_penalty: float
-    fits: bool = False
-    #: largest ratio of what the recipe needs to a budget (<= 1 when it fits); ranks refusals
-    miss: float = 0.0
-    pareto: bool = False
-    why_not: str = ""
-    #: measured on a short eval (optimize.fit_quality) for the finalists; None where not measured
-    perplexity: float | None = None
-    perplexity_delta_pct: float | None = None
-
-    @property
-    def measured(self) -> bool:
-        return self.perplexity is not None
-
-    def label(self) -> str:
-        if self.scheme == "none":
-            return "fp32 (no quantization)"
-        g = f" g{self.group_size}" if self.group_size else ""
-        emb = self.embedding or "fp32"
-        return f"{self.scheme}{g}, lm_head {self.lm_head}, embedding {emb}"
-
-    def export_block(self) -> dict:
-        block: dict[str, Any] = {"quantize": self.scheme, "lm_head": self.lm_head, "embedding_quantize": self.embedding}
-        if self.scheme == "8da4w":
-            block["group_size"] = self.group_size
-        return block
-
-
-def _shapes(config: Any):
-    """(linear (out, in) by name, lm_head name or None, embedding (vocab, hidden), tied) from a
-    meta-device model: no weights are allocated."""
-    import torch
-    from torch import nn
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-    linears = {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    head = next((n for n in linears if n == "lm_head" or n.endswith(".lm_head")), None)
-    emb = model.get_input_embeddings().weight.shape
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return linears, head, (int(emb[0]), int(emb[1])), bool(getattr(text, "tie_word_embeddings", False))
-
-
-def _bytes(out: int, inp: int, precision: str) -> float:
-    n = out * inp
-    if precision == "fp32":
-        return 4.0 * n
-    if precision == "int8":
-        return n * (1.0 + 5.0 / inp)  # optimize.quant.mixed.quantized_bytes
-    g = int(precision.removeprefix("int4g"))
-    return n * (0.5 + 5.0 / g)
-
-
-def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size: int | None, lm_head: str,
-          embedding: str | None, shapes=None) -> Priced:
-    from optimize.memory import kv_cache_bytes
-
-    linears, head, (vocab, hidden), tied = shapes or _shapes(config)
-    body = {"none": "fp32", "8da8w": "int8"}.get(scheme, f"int4g{group_size}")
-    head_p = {"same": body, "8da8w": "int8", "fp32": "fp32"}[lm_head]
-    emb_p = {"int8": "int8", "int4": "int4g32", None: "fp32"}[embedding]
-    per_token = penalty = 0.0
-    for name, (o, i) in linears.items():
-        p = head_p if name == head else body
-        b = _bytes(o, i, p)
-        per_token += b
-        penalty += (3.0 if name == head and p.startswith("int4") else 1.0) * _PENALTY[p] * o * i
-    table = _bytes(vocab, hidden, emb_p)
-    penalty += 0.25 * _PENALTY[emb_p] * vocab * hidden
-    if head is None and tied:  # no lm_head Linear: the table itself is the head
-        per_token += table
-    artifact = per_token + table  # a single .pte keeps the lookup table apart from lm_head (tied: twice)
-    kv = kv_cache_bytes(config, max_seq_len)
-    memory = artifact + per_token + kv + 4 * vocab
-    params = sum(o * i for o, i in linears.values()) + vocab * hidden
-    ceiling = device.bandwidth.practical_gb_s * 1e9 / (per_token + kv)
-    return Priced(scheme=scheme, group_size=group_size if scheme == "8da4w" else None, lm_head=lm_head,
-                  embedding=embedding, artifact_bytes=int(artifact), weight_bytes_per_token=int(per_token),
-                  kv_cache_bytes=int(kv), memory_bytes=int(memory), decode_ceiling_tok_s=round(ceiling, 2),
-                  quality_penalty=round(penalty / params, 4))
-
-
-def candidates(hidden_widths: list[int]) -> list[dict]:
-    """Every recipe whose group size divides the Linear input widths."""
-    # the unquantized model, so the table says what it would need
-    out = [{"scheme": "none", "group_size": None, "lm_head": "same", "embedding": None}]
-    for scheme, lm_head, emb in itertools.product(SCHEMES, LM_HEADS, EMBEDDINGS):
-        for g in (GROUPS if scheme == "8da4w" else (None,)):
-            if g is not None and any(w % g for w in hidden_widths):
-                continue
-            if scheme == "8da8w" and lm_head == "8da8w":
-                continue  # the same recipe as lm_head: same
-            out.append({"scheme": scheme, "group_size": g, "lm_head": lm_head, "embedding": emb})
-    return out
 
 
 def _rank(r: Priced) -> tuple:
-    """Best first: measured perplexity where there is one, then the heuristic, then memory."""
-    return (0, r.perplexity, r.memory_bytes) if r.measured else (1, r.quality_penalty, r.memory_bytes)
+    """Best first: the longest cache, then the measured perplexity where there is one (else the
+    heuristic), then memory."""
+    return ((0, -r.max_seq_len, r.perplexity, r.memory_bytes) if r.measured
+            else (1, -r.max_seq_len, r.quality_penalty, r.memory_bytes))
+
+
+def _finalists(rows: list[Priced], n: int) -> list[Priced]:
+    """Up to ``n`` recipes that fit, one per distinct quantization, best-looking first."""
+    chosen: dict[tuple, Priced] = {}
+    for r in sorted((r for r in rows if r.fits), key=_rank):
+        if len(chosen) < n:
+            chosen.setdefault(r.quant_key(), r)
+    return list(chosen.values())
 
 
 @dataclass
@@ -172,13 +60,18 @@ class FitResult:
     paths: dict[str, str]
     quality: dict | None = None
     budgets: dict | None = None
+    #: every cache length priced (max_seq_len: the YAML's)
+    max_seq_lens: list[int] = field(default_factory=list)
+    #: stage checkpoints of the YAML's run linked into fit.yaml's run directory (optimize.fit_stages)
+    reused_stages: list[str] = field(default_factory=list)
 
     def table(self) -> str:
         q = self.quality or {}
         measured = (f"perplexity: MEASURED for the finalists on {q['windows']} eval windows ({q['tokens']} tokens; "
-                    f"fp32 {q['baseline_perplexity']:.3f}), the exporter's own quantization in eager PyTorch"
-                    if q else "perplexity: not measured (--windows 0)")
-        lines = [f"Recipes for `{self.device}` at max_seq_len {self.max_seq_len}. Memory: artifact + packed weights "
+                    f"fp32 {q['baseline_perplexity']:.3f}), the exporter's own quantization in eager PyTorch, of "
+                    f"{q.get('model', 'the model as loaded')}" if q else "perplexity: not measured (--windows 0)")
+        lens = self.max_seq_lens or [self.max_seq_len]
+        lines = [f"Recipes for `{self.device}` at max_seq_len {', '.join(map(str, lens))}. Memory: artifact + packed weights "
                  "+ KV + logits, no interpreter (priced from bytes); decode: PREDICTED bandwidth ceiling; "
                  f"quality penalty: heuristic order of the loss, lower is better; {measured}.", "",
                  "| recipe | artifact MiB | memory MiB | decode ceiling tok/s (predicted) | quality penalty "
@@ -187,10 +80,14 @@ class FitResult:
         for r in sorted(self.rows, key=_rank):
             mark = " **winner**" if r is self.winner else ""
             ppl = f"{r.perplexity:.3f} ({r.perplexity_delta_pct:+.2f}%)" if r.measured else "–"
-            lines.append(f"| {r.label()}{mark} | {r.artifact_bytes / MIB:.1f} | {r.memory_bytes / MIB:.1f} | "
+            lines.append(f"| {r.label(self.several_lengths)}{mark} | {r.artifact_bytes / MIB:.1f} | {r.memory_bytes / MIB:.1f} | "
                          f"{r.decode_ceiling_tok_s:.1f} | {r.quality_penalty:.3f} | {ppl} | "
                          f"{'yes' if r.fits else 'no: ' + r.why_not} | {'yes' if r.pareto else ''} |")
         return "\n".join(lines)
+
+    @property
+    def several_lengths(self) -> bool:
+        return len(self.max_seq_lens) > 1
 
     def closest(self) -> Priced | None:
         """The candidate that misses the budgets by the least (the smallest worst ratio of need to limit),
@@ -201,10 +98,12 @@ class FitResult:
     def to_dict(self) -> dict:
         from dataclasses import asdict
 
-        return {"device": self.device, "max_seq_len": self.max_seq_len, "quality": self.quality,
+        return {"device": self.device, "max_seq_len": self.max_seq_len, "max_seq_lens": self.max_seq_lens,
+                "reused_stages": self.reused_stages,
+                "quality": self.quality,
                 "budgets": self.budgets, "paths": self.paths,
-                "winner": self.winner.label() if self.winner else None,
-                "rows": [{**asdict(r), "label": r.label()} for r in self.rows]}
+                "winner": self.winner.label(self.several_lengths) if self.winner else None,
+                "rows": [{**asdict(r), "label": r.label(self.several_lengths)} for r in self.rows]}
 
 
 class FitRefused(ValueError):
@@ -218,7 +117,8 @@ class FitRefused(ValueError):
 def fit(config_path: str | Path, device_profile: str, *, target: str = "executorch", out_dir: str | Path | None = None,
         overrides: tuple[str, ...] = (), decode_tok_s: float | None = None, max_memory_gib: float | None = None,
         max_ppl_pct: float | None = None, windows: int = 8, finalists: int = 6,
-        log=lambda m: None, progress: bool = False) -> FitResult:
+        max_seq_lens: list[int] | tuple[int, ...] | None = None, log=lambda m: None,
+        progress: bool = False) -> FitResult:
     """Price every candidate recipe for the YAML's model on ``device_profile``, measure the
     perplexity of up to ``finalists`` of those that fit (``windows`` eval windows each; 0: bytes
     only), and write into ``out_dir`` (default ``<run dir>/fit``) ``fit.md`` (the table),
@@ -228,6 +128,11 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     Budgets: the device's usable memory and storage, its ``budgets.decode_tok_s`` (or
     ``decode_tok_s``), ``max_memory_gib`` and ``max_ppl_pct`` (default: the YAML's
     ``gates.perplexity.max_pct_degradation``). Raises :class:`FitRefused` when nothing meets them.
+
+    ``max_seq_lens``: the KV-cache lengths to price (default: the YAML's, or its target profile's);
+    the winner is at the longest one where a recipe fits, so listing shorter ones lets the search
+    trade context for memory when nothing fits at full length. Each is checked as the exporter would
+    (the model's position limit, its sliding windows) before anything is priced.
 
     Quiet unless ``progress``: the measurement's bars and library output go to ``fit.log`` in
     ``out_dir``; ``log`` gets one line per finalist either way."""
@@ -244,11 +149,15 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     cfg = load_config(config_path, overrides, target=target, device_profile=device_profile, check_model=False)
     device = load_device(device_profile)
     profile = load_target(target)
-    n = export_options(cfg, profile.exporter, profile).max_seq_len or profile.max_seq_len
+    opts = export_options(cfg, profile.exporter, profile)
+    n = opts.max_seq_len or profile.max_seq_len
     config = peek_config(cfg.model)
-    shapes = _shapes(config)
+    lengths = sorted(set(max_seq_lens or [n]), reverse=True)
+    _check_lengths(config, opts, lengths)
+    shapes = model_shapes(config)
     widths = sorted({i for o, i in shapes[0].values()})
-    rows = [price(config, n, device, shapes=shapes, **c) for c in candidates(widths)]
+    rows = [price(config, length, device, shapes=shapes, **c) for length in lengths
+            for c in candidates(widths, tied=shapes[3])]
     gate = cfg.gates.perplexity.max_pct_degradation if cfg.gates.perplexity is not None else None
     budgets = {"memory_bytes": min(device.usable_bytes, int(max_memory_gib * 2**30)) if max_memory_gib
                else device.usable_bytes, "storage_bytes": device.storage_bytes,
@@ -257,21 +166,31 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     for r in rows:
         _check_bytes(r, budgets)
     for r in rows:
-        r.pareto = not any(o is not r and o.memory_bytes <= r.memory_bytes and o.quality_penalty <= r.quality_penalty
-                           and (o.memory_bytes, o.quality_penalty) != (r.memory_bytes, r.quality_penalty) for o in rows)
+        r.pareto = not any(o is not r and o.max_seq_len >= r.max_seq_len and o.memory_bytes <= r.memory_bytes
+                           and o.quality_penalty <= r.quality_penalty
+                           and (o.memory_bytes, o.quality_penalty, o.max_seq_len)
+                           != (r.memory_bytes, r.quality_penalty, r.max_seq_len) for o in rows)
     out = Path(out_dir) if out_dir else cfg.run_dir() / "fit"
     out.mkdir(parents=True, exist_ok=True)
     quality = None
+    finished = fit_stages.finished(cfg)  # leading stages a run of the YAML already did: measured after them
     if windows:
-        chosen = sorted((r for r in rows if r.fits), key=_rank)[:finalists]
+        chosen = _finalists(rows, finalists)
         if chosen:
             from optimize import fit_quality
             from optimize.quiet import LogOutput
 
             with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
-                quality = fit_quality.measure_finalists(cfg, chosen, max_seq_len=n, windows=windows, log=log)
+                # one eval for every length, so the perplexities compare
+                quality = fit_quality.measure_finalists(cfg, chosen, max_seq_len=lengths[-1], windows=windows,
+                                                        log=log, after=finished)
+            by_key = {r.quant_key(): r for r in chosen}
             limit = budgets["max_ppl_pct"]
-            for r in chosen:
+            for r in rows:  # the recipes that differ from a finalist only in storage or cache length share it
+                m = by_key.get(r.quant_key())
+                if m is None or not r.fits:
+                    continue
+                r.perplexity, r.perplexity_delta_pct = m.perplexity, m.perplexity_delta_pct
                 if limit is not None and r.perplexity_delta_pct > limit:
                     r.fits = False
                     r.miss = max(r.miss, r.perplexity_delta_pct / limit if limit else math.inf)
@@ -279,7 +198,7 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     fitting = [r for r in rows if r.fits and (r.measured or not quality)]
     winner = min(fitting, key=_rank) if fitting else None
     result = FitResult(device=device.name, max_seq_len=n, rows=rows, winner=winner, paths={}, quality=quality,
-                       budgets=budgets)
+                       budgets=budgets, max_seq_lens=lengths)
     result.paths["md"] = str(atomic_write_text(out / "fit.md", result.table() + "\n"))
     plot = render_fit_plot(result, out / "fit.png")
     if plot is not None:
@@ -296,22 +215,40 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
         if data.get("output_dir"):
             data["output_dir"] = str(data["output_dir"]).rstrip("/") + suffix
         data.setdefault("export", {})
-        data["export"]["executorch"] = {**(data["export"].get("executorch") or {}), **winner.export_block()}
+        block = winner.export_block() | ({"max_seq_len": winner.max_seq_len} if winner.max_seq_len != n else {})
+        data["export"]["executorch"] = {**(data["export"].get("executorch") or {}), **block}
         measured = (f", measured perplexity {winner.perplexity:.3f} ({winner.perplexity_delta_pct:+.2f}%) on "
                     f"{quality['windows']} windows" if winner.measured else "")
-        header = (f"# optimize fit: {winner.label()} for {device.name} (memory {winner.memory_bytes / MIB:.1f} MiB "
+        header = (f"# optimize fit: {winner.label(result.several_lengths)} for {device.name} (memory {winner.memory_bytes / MIB:.1f} MiB "
                   f"priced from bytes, predicted decode ceiling {winner.decode_ceiling_tok_s:.1f} tok/s{measured}); "
                   "run it to measure in the runtime\n"
                   + (f"# quantizing stages dropped (the exporter quantizes instead): {', '.join(dropped)}\n"
                      if dropped else ""))
         result.paths["yaml"] = str(atomic_write_text(out / "fit.yaml", header + yaml.safe_dump(data, sort_keys=False)))
+        # fit.yaml's run resumes after the stages the YAML's run finished instead of redoing them
+        linked = fit_stages.link_into(load_config(out / "fit.yaml", check_model=False), finished)
+        result.reused_stages = [str(p) for p in linked]
+        if linked:
+            log(f"fit: {len(linked)} finished stage checkpoint(s) linked into fit.yaml's run directory")
     result.paths["json"] = str(out / "fit.json")
     atomic_write_text(out / "fit.json", json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     if winner is None:
         near = result.closest()
-        raise FitRefused(f"no recipe fits {device.name}: the closest, {near.label()}, misses by {near.why_not} "
+        raise FitRefused(f"no recipe fits {device.name}: the closest, {near.label(result.several_lengths)}, misses by {near.why_not} "
                          f"(table in {result.paths['md']})", result)
     return result
+
+
+def _check_lengths(config, opts, lengths: list[int]) -> None:
+    """Refuse a cache length the exporter would refuse, before pricing anything."""
+    from export.executorch.options import model_problems
+
+    for length in lengths:
+        if length < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {length}")
+        problems = model_problems(config, type(opts)(max_seq_len=length))  # the length alone: fit sets the rest
+        if problems:
+            raise ValueError(f"max_seq_len {length}: " + "; ".join(problems))
 
 
 def _check_bytes(r: Priced, budgets: dict) -> None:

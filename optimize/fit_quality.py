@@ -7,7 +7,8 @@ applies it (``export.executorch.quant._apply_quantization``: torchao's 8da8w / 8
 weights the ``.pte`` would hold; perplexity is taken in eager PyTorch on the first ``windows`` windows
 of the pipeline's own eval split (``data``). That short eval ranks the recipes; the full figure, in
 the runtime, comes from running the ``fit.yaml`` it writes. Stages of the YAML that do not quantize
-(distillation, rewrites) are not run here: the recipes are measured on the model as loaded.
+(distillation, rewrites) are not run here: the recipes are measured on the model after the ones a run
+of the YAML already finished (:mod:`optimize.fit_stages`), else on the model as loaded.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Callable, Sequence
 
 
 def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, windows: int,
-                      log: Callable[[str], None] = lambda m: None) -> dict:
+                      log: Callable[[str], None] = lambda m: None, after: Sequence[Any] = ()) -> dict:
     """Set ``perplexity`` and ``perplexity_delta_pct`` on each of ``rows`` (:class:`optimize.fit.Priced`);
-    returns what was measured (baseline perplexity, windows, tokens)."""
+    returns what was measured (baseline perplexity, windows, tokens, on which model). ``after``: the
+    finished stage checkpoints to start from (:func:`optimize.fit_stages.finished`)."""
     import torch
 
     from export.executorch.options import ExecuTorchOptions
@@ -32,8 +34,13 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
 
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
+    from optimize import fit_stages
+
     loaded = load_model(cfg.model)
     model = loaded.model.float().eval()
+    if after:
+        loaded.model = model = None  # one model in memory at a time
+        model = fit_stages.load_after(cfg, list(after))
     wins = eval_windows(split_data(cfg.data, loaded.tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
     tokens = sum(int(w.numel()) - 1 for w in wins)
     with torch.inference_mode():
@@ -50,7 +57,8 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
         row.perplexity_delta_pct = round(100.0 * (ppl / base - 1.0), 3) if math.isfinite(ppl) else math.inf
         log(f"fit: {i + 1}/{len(rows)} {row.label()}: perplexity {ppl:.3f} ({row.perplexity_delta_pct:+.2f}%)")
     return {"baseline_perplexity": round(base, 4), "windows": len(wins), "tokens": tokens,
-            "method": "eager PyTorch, the exporter's own quantization of the weights"}
+            "method": "eager PyTorch, the exporter's own quantization of the weights",
+            "model": fit_stages.describe(cfg, list(after))}
 
 
 __all__ = ["measure_finalists"]

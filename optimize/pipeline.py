@@ -532,7 +532,7 @@ def _device_gates_or_error(state: RunState, device, model: torch.nn.Module, row:
 def _device_gates(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
     """The row on the device: memory and storage fit (measured figures) and the PREDICTED decode rate,
     into ``row.metrics.device``; returns the device's gate results."""
-    from optimize.predict import device_gates, predict, weight_bytes_per_token
+    from optimize.predict import bytes_by_scheme, device_gates, predict, weight_bytes_per_token
     from targets.devices import host_bandwidth
 
     m, lat = row.metrics, state.cfg.checks.latency
@@ -544,7 +544,8 @@ def _device_gates(state: RunState, device, model: torch.nn.Module, row: StageRow
     bw = host_bandwidth(lat.threads) if m.decode_tok_s else None
     p = predict(device, memory=mem, host_decode_tok_s=m.decode_tok_s, host_bandwidth=bw, context_tokens=context,
                 weight_bytes=weights, config=model.config,
-                max_seq_len=(mem.max_seq_len if mem is not None else None) or state.profile.max_seq_len)
+                max_seq_len=(mem.max_seq_len if mem is not None else None) or state.profile.max_seq_len,
+                weight_bytes_by_scheme=bytes_by_scheme(model.config, row.details))
     m.device = p
     rate = f"{p.predicted_decode_tok_s:.1f} tok/s PREDICTED" if p.predicted_decode_tok_s else "decode not predicted"
     fit = ("fits" if p.fits_memory else "does NOT fit") if p.fits_memory is not None else "memory not measured"

@@ -57,6 +57,9 @@ class DevicePrediction(BaseModel):
     host_bandwidth_gb_s: float | None = Field(None, description="measured: this host's copy bandwidth")
     device_bandwidth_gb_s: float = Field(description="the device's theoretical bandwidth x practical_fraction")
     weight_bytes_per_token: int | None = Field(None, description="estimated from the artifact: weights read per token")
+    weight_bytes_by_scheme: dict[str, int] | None = Field(
+        None, description="the Linear weights a token reads, by the scheme the exported graph computes them in "
+        "(fp32 / 8da8w / 8da4w): which precisions the bytes per token are made of")
     kv_bytes_per_token: int | None = Field(None, description="KV cache read per token at the host's decode context")
     context_tokens: int | None = Field(None, description="mean position of the host's decode measurement")
     host_decode_tok_s: float | None = Field(None, description="measured on this host (checks.latency)")
@@ -129,7 +132,8 @@ def packed_copy_bytes(artifact_bytes: int, config: Any, details: dict, runtime: 
 
 
 def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_bandwidth: float | None,
-            context_tokens: int | None, weight_bytes: int | None, config: Any, max_seq_len: int | None) -> DevicePrediction:
+            context_tokens: int | None, weight_bytes: int | None, config: Any, max_seq_len: int | None,
+            weight_bytes_by_scheme: dict[str, int] | None = None) -> DevicePrediction:
     """Put one export row's figures on ``device`` (a :class:`targets.devices.DeviceProfile`).
 
     ``memory`` is the row's :class:`~optimize.memory.MemoryFootprint` (or None), ``host_bandwidth``
@@ -141,7 +145,7 @@ def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_b
                          storage_bytes=device.storage_bytes, device_bandwidth_gb_s=round(dev_bw / 1e9, 2),
                          host_bandwidth_gb_s=round(host_bandwidth / 1e9, 2) if host_bandwidth else None,
                          host_decode_tok_s=host_decode_tok_s, weight_bytes_per_token=weight_bytes,
-                         context_tokens=context_tokens)
+                         weight_bytes_by_scheme=weight_bytes_by_scheme, context_tokens=context_tokens)
     if memory is not None:
         p.model_rss_bytes = memory.model_rss_bytes
         p.artifact_bytes = memory.artifact_bytes
@@ -171,6 +175,24 @@ def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_b
     p.notes.append("decode: PREDICTED from bandwidth, not measured on the device; compute-bound cores, thread "
                    "counts and ISA-specific kernels are not modelled")
     return p
+
+
+def bytes_by_scheme(config: Any, details: dict) -> dict[str, int] | None:
+    """The Linear weights a decoded token reads, by scheme, from an ExecuTorch row's exported graph
+    (``quantization.exported_linear``: the majority scheme and every other scheme's module names) and
+    the model's shapes. None for a row without that record (other runtimes)."""
+    graph = (details.get("quantization") or {}).get("exported_linear") or {}
+    if not graph.get("counts"):
+        return None
+    from optimize.fit_price import model_shapes
+
+    linears = model_shapes(config)[0]
+    scheme_of = {name: s for s, names in (graph.get("modules") or {}).items() for name in names}
+    out: dict[str, float] = {}
+    for name, (o, i) in linears.items():
+        s = scheme_of.get(name, graph["majority"])
+        out[s] = out.get(s, 0.0) + o * i * _bytes_per_elem(s, i)
+    return {s: int(b) for s, b in out.items()}
 
 
 def predict_from_another(source: DevicePrediction, target: DevicePrediction) -> float | None:

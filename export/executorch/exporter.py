@@ -137,14 +137,24 @@ def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions
     return pte, details
 
 
+#: (embedding scheme, lm_head scheme) of a tied pair whose bytes are identical in model.ptd
+SHARED_PAIRS = (("fp32", "fp32"), ("int8", "8da8w"))
+
+
 def _tag_weights_external(ep: torch.export.ExportedProgram) -> None:
     """Send every parameter and constant to the external data file, the delegated ones too
     (XNNPACK reads the tag from its weight nodes): the data file stores identical bytes once."""
     sig = ep.graph_signature
     consts = set(sig.inputs_to_parameters) | set(sig.inputs_to_lifted_tensor_constants)
+    tagged = set()
     for node in ep.graph.nodes:
-        if node.op == "placeholder" and node.name in consts:
+        # a quantized weight reaches XNNPACK as the dequantize node over its int8/int4 data, and
+        # XNNPACK reads the tag from that node: everything computed from constants alone is tagged
+        inputs = node.all_input_nodes
+        if (node.op == "placeholder" and node.name in consts) or (
+                node.op == "call_function" and inputs and all(i in tagged for i in inputs)):
             node.meta.setdefault("custom", {})["delegate_constant_tag"] = PTD_TAG
+            tagged.add(node)
 
 
 def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *,
@@ -256,15 +266,19 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
 
 
 def _tied_note(tied: bool, emb_scheme: str, schemes: dict[str, str], weights: str) -> str | None:
-    """How a tied embedding / lm_head pair is stored, and why twice when it is (for the report)."""
+    """How a tied embedding / lm_head pair is stored, and why twice when it is (for the report).
+
+    With ``weights: external`` model.ptd keeps identical bytes once: an fp32 pair is identical, and so is
+    an int8 table beside an 8da8w lm_head (both torchao's symmetric per-row int8 of the same weights;
+    XNNPACK serializes the int8 data as it is). An int4 pair is not: XNNPACK packs its nibbles its own way."""
     if not tied:
         return None
     head = next((v for f, v in schemes.items() if _is_lm_head(f)), "fp32")
-    if emb_scheme != head:
+    if (emb_scheme, head) not in SHARED_PAIRS:
         return (f"stored twice: the embedding is {emb_scheme} (a table lookup) and lm_head {head} (a matmul), "
-                "different tensors; the quantized table is what keeps the size down")
+                "different bytes; the quantized table is what keeps the size down")
     if weights == "external":
-        return "stored once: model.ptd holds identical tensors once"
+        return f"stored once: model.ptd holds the identical {emb_scheme} bytes of the lookup table and lm_head once"
     return ("stored twice: a single .pte keeps the table as a program constant for the lookup and XNNPACK packs "
             "its own copy for lm_head; weights: external stores it once in model.ptd")
 

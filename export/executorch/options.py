@@ -35,6 +35,12 @@ class ExecuTorchOptions(ExportOptions):
         description="precision of the output projection when quantize is set: same as the other layers, "
         "fp32, or 8da8w (int4 on lm_head costs most of 8da4w's perplexity loss)",
     )
+    attention: Literal["same", "8da8w", "fp32"] = Field(
+        "same",
+        description="precision of the attention projections (every Linear under a module named attn, "
+        "self_attn, attention or self_attention) when quantize is set: same as the other layers, 8da8w or "
+        "fp32. Attention int8 beside an int4 MLP sits between all-int8 and all-int4 in bytes and accuracy",
+    )
     embedding_quantize: Literal["auto", "int8", "int4"] | None = Field(
         "auto",
         description="weight-only quantization of the token embedding table (portable quantized "
@@ -101,6 +107,14 @@ class ExecuTorchOptions(ExportOptions):
         tasks = cfg.checks.tasks
         wanted = tasks.enabled and tasks.selects(len(cfg.stages), label, label) and self.logits == "last"
         return self.model_copy(update={"scoring_method": wanted})
+
+    @model_validator(mode="after")
+    def _attention_with_quantize(self) -> "ExecuTorchOptions":
+        if self.attention != "same" and self.quantize == "none":
+            raise ValueError(f"attention: {self.attention} sets the attention projections' precision within the "
+                             "exporter's quantization; with quantize: none the model is exported as given (set "
+                             "quantize, or leave attention: same)")
+        return self
 
     @model_validator(mode="after")
     def _scoring_beside_last(self) -> "ExecuTorchOptions":

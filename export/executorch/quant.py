@@ -24,6 +24,16 @@ def _is_lm_head(fqn: str) -> bool:
     return fqn == "lm_head" or fqn.endswith(".lm_head")
 
 
+#: module names that hold a layer's attention projections, across the supported families (Llama's
+#: self_attn, GPT-2's attn, GPT-NeoX's attention, ...)
+ATTENTION_MODULES = frozenset({"attn", "self_attn", "attention", "self_attention"})
+
+
+def is_attention(fqn: str) -> bool:
+    """Whether a Linear is one of its layer's attention projections (q/k/v/o, fused or not)."""
+    return not ATTENTION_MODULES.isdisjoint(fqn.split(".")[:-1])
+
+
 def _refuse_weight_only(model: torch.nn.Module) -> None:
     bad = [f for f, m in model.named_modules() if isinstance(m, torch.nn.Linear) and linear_scheme(m.weight).endswith("wo")]
     if bad:
@@ -81,22 +91,27 @@ def _apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> dict
             if opts.quantize == "8da4w"
             else cfg_8da8w
         )
-        head = {"same": main, "fp32": None, "8da8w": cfg_8da8w}[opts.lm_head]
-        targets = {
-            fqn: m
-            for fqn, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and (head is not None or not _is_lm_head(fqn))
-        }
+        by_role = {"head": {"same": main, "fp32": None, "8da8w": cfg_8da8w}[opts.lm_head],
+                   "attention": {"same": main, "fp32": None, "8da8w": cfg_8da8w}[opts.attention], "body": main}
+
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        heads = {f for f, m in model.named_modules() if out is not None and m is out}  # GPT-NeoX: embed_out
+
+        def role(fqn: str) -> str:
+            return "head" if _is_lm_head(fqn) or fqn in heads else "attention" if is_attention(fqn) else "body"
+
+        targets = {fqn: m for fqn, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and by_role[role(fqn)] is not None}
         if opts.quantize == "8da4w":
             from targets.group_size import widths_error
 
             why = widths_error(opts.group_size, {f: m.in_features for f, m in targets.items()
-                                                 if head is main or not _is_lm_head(f)})
+                                                 if by_role[role(f)] is main})
             if why:
                 raise ExportError(why)
-        quantize_(model, main, lambda m, fqn: fqn in targets and not _is_lm_head(fqn))
-        if head is not None:
-            quantize_(model, head, lambda m, fqn: fqn in targets and _is_lm_head(fqn))
+        for name in ("body", "attention", "head"):
+            if by_role[name] is not None:
+                quantize_(model, by_role[name], lambda m, fqn, r=name: fqn in targets and role(fqn) == r)
     choice, decided = opts.embedding_quantize, {"embedding_option": opts.embedding_quantize}
     if choice == "auto":
         auto = _auto_embedding(model)

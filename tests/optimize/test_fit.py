@@ -37,14 +37,32 @@ def test_fit_prices_recipes_and_writes_the_winner(tiny_cfg, tmp_path):
     assert int8_all.artifact_bytes < fp32_head.artifact_bytes and int8_all.decode_ceiling_tok_s > fp32_head.decode_ceiling_tok_s
     fp32 = by["fp32 (no quantization)"]
     assert fp32.artifact_bytes > fp32_head.artifact_bytes and fp32.quality_penalty == 0
-    assert res.winner is fp32  # everything fits, no decode budget, nothing measured: the least quantized
+    # the tiny Llama is tied: where the table and lm_head hold the same bytes (fp32/fp32, int8/8da8w),
+    # weights: external stores the table once; an int4 table never shares
+    table = tiny_cfg["model"]["config"]["vocab_size"] * tiny_cfg["model"]["config"]["hidden_size"]
+    once = by["fp32 (no quantization), weights external (tied table once)"]
+    assert fp32.artifact_bytes - once.artifact_bytes == 4 * table and once.quality_penalty == 0
+    int8_once = by["8da8w, lm_head same, embedding int8, weights external (tied table once)"]
+    hidden = tiny_cfg["model"]["config"]["hidden_size"]
+    assert int8_all.artifact_bytes - int8_once.artifact_bytes == pytest.approx(table * (1 + 5 / hidden), rel=1e-3)
+    assert int8_once.weight_bytes_per_token == int8_all.weight_bytes_per_token
+    assert not [r for r in res.rows if r.weights == "external" and (r.embedding == "int4" or r.lm_head == "fp32"
+                                                                      and r.embedding is not None)]
+    # per layer type: int8 attention beside an int4 MLP sits between all-int8 and all-int4
+    att, plain = by["8da4w g32, attention 8da8w, lm_head same, embedding int8"], by["8da4w g32, lm_head same, embedding int8"]
+    assert int8_all.artifact_bytes > att.artifact_bytes > plain.artifact_bytes
+    assert int8_all.quality_penalty < att.quality_penalty < plain.quality_penalty
+    assert att.export_block()["attention"] == "8da8w" and "attention" not in plain.export_block()
+    # everything fits, no decode budget, nothing measured: the least quantized, then the least memory
+    assert res.winner is once
     written = (tmp_path / "fit" / "fit.yaml").read_text()
     assert "predicted decode ceiling" in written and "quantizing stages dropped" in written
     cfg = load_config(tmp_path / "fit" / "fit.yaml")
     assert cfg.stages == [] and cfg.device_profile == "raspberry-pi-5"
     assert cfg.name == f"{load_config(path).name}-fit-raspberry-pi-5"  # its own run directory
     assert str(cfg.output_dir) == tiny_cfg["output_dir"] + "-fit-raspberry-pi-5"
-    assert cfg.export["executorch"] == {"quantize": "none", "lm_head": "same", "embedding_quantize": None}
+    assert cfg.export["executorch"] == {"quantize": "none", "lm_head": "same", "embedding_quantize": None,
+                                        "weights": "external"}
     assert "decode ceiling tok/s (predicted)" in (tmp_path / "fit" / "fit.md").read_text()
 
 
@@ -76,7 +94,11 @@ def test_finalists_are_measured_and_the_lowest_perplexity_wins(tiny_cfg, tmp_pat
     path.write_text(yaml.safe_dump(tiny_cfg))
     res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", windows=2, finalists=4)
     measured = [r for r in res.rows if r.measured]
-    assert len(measured) == 4 and res.quality["windows"] == 2
+    assert len({r.quant_key() for r in measured}) == 4 and res.quality["windows"] == 2
+    # a recipe that differs from a finalist only in where its weights live shares its measurement
+    twins = [r for r in measured if r.weights == "external"]
+    assert twins and all(next(o for o in measured if o.weights == "embedded" and o.quant_key() == t.quant_key())
+                         .perplexity == t.perplexity for t in twins)
     assert res.winner in measured and res.winner.perplexity == min(r.perplexity for r in measured)
     fp32 = next(r for r in measured if r.scheme == "none")  # penalty 0: the first finalist
     assert abs(fp32.perplexity - res.quality["baseline_perplexity"]) <= 1e-6 * fp32.perplexity
@@ -130,3 +152,26 @@ def test_bad_fit_arguments_are_refused(tiny_cfg, tmp_path, kw, message):
     path.write_text(yaml.safe_dump(tiny_cfg))
     with pytest.raises(ValueError, match=message):
         fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", **kw)
+
+
+def test_a_shorter_cache_is_taken_only_when_nothing_fits_at_full_length(tiny_cfg, tmp_path, capsys):
+    """``max_seq_lens``: every length is priced; the longest at which a recipe fits wins, so a shorter
+    cache is how a tight budget is met, never a preference; fit.yaml carries the length it chose."""
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    both = fit(path, "raspberry-pi-5", out_dir=tmp_path / "a", windows=0, max_seq_lens=[64, 512])
+    assert both.winner.max_seq_len == 512 and both.max_seq_lens == [512, 64]
+    least = {n: min(r.memory_bytes for r in both.rows if r.max_seq_len == n) for n in (64, 512)}
+    assert least[64] < least[512]
+    budget_gib = (least[64] + least[512]) / 2 / 2**30
+    assert main(["fit", str(path), "--device-profile", "raspberry-pi-5", "--output", str(tmp_path / "b"),
+                 "--windows", "0", "--max-memory-gib", str(budget_gib), "--max-seq-len", "512", "64"]) == 0
+    assert "max_seq_len 64 **winner**" in capsys.readouterr().out
+    data = json.loads((tmp_path / "b" / "fit.json").read_text())
+    assert data["winner"].endswith("max_seq_len 64") and data["max_seq_lens"] == [512, 64]
+    assert all(not r["fits"] for r in data["rows"] if r["max_seq_len"] == 512)
+    assert load_config(tmp_path / "b" / "fit.yaml").export["executorch"]["max_seq_len"] == 64
+    # a length the exporter would refuse is refused before anything is priced
+    limit = tiny_cfg["model"]["config"].get("max_position_embeddings", 2048)
+    with pytest.raises(ValueError, match=rf"max_seq_len {4 * limit}: .*max_position_embeddings"):
+        fit(path, "raspberry-pi-5", out_dir=tmp_path / "c", windows=0, max_seq_lens=[512, 4 * limit])

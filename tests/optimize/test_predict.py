@@ -179,3 +179,24 @@ def test_one_recipes_efficiency_predicts_anothers_decode():
     capped = src.model_copy(update={"host_fraction_of_ceiling": 1.7})  # weights in cache: capped at the ceiling
     assert predict_from_another(capped, dst) == 100.0
     assert predict_from_another(dst, src) is None  # the source has no measured fraction
+
+
+def test_bytes_by_scheme_reads_the_exported_graph_record(tiny_llama_config):
+    """The majority scheme for every Linear not listed under another scheme; int8 and int4 at their
+    scale overheads, fp32 at 4 bytes a weight; a row without the graph record (another runtime) has
+    no split."""
+    from transformers import AutoConfig
+
+    from optimize.predict import bytes_by_scheme
+
+    config = AutoConfig.for_model(**tiny_llama_config)
+    h, v, inter, layers = (tiny_llama_config[k] for k in ("hidden_size", "vocab_size", "intermediate_size",
+                                                          "num_hidden_layers"))
+    details = {"quantization": {"exported_linear": {"counts": {"8da4w": 7 * layers, "fp32": 1},
+                                                    "majority": "8da4w", "modules": {"fp32": ["lm_head"]}}}}
+    split = bytes_by_scheme(config, details)
+    assert set(split) == {"8da4w", "fp32"} and split["fp32"] == 4 * v * h
+    kv = tiny_llama_config["num_key_value_heads"] * h // tiny_llama_config["num_attention_heads"]
+    body = layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
+    assert split["8da4w"] == pytest.approx(body * (0.5 + 4 / 32), rel=1e-6)
+    assert bytes_by_scheme(config, {"quantization": {"linear": {"8da8w": 3}}}) is None

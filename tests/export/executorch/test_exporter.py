@@ -39,6 +39,12 @@ SCHEMES = {
     "fp32-ptd": ({"weights": "external"}, None),
     "8da4w": ({"quantize": "8da4w", "group_size": 32, "embedding_quantize": "int4"}, "options"),
     "8da8w": ({"quantize": "none", "embedding_quantize": "int8", "lm_head": "same"}, "prequantized"),
+    # an int8 table beside an 8da8w lm_head in model.ptd: the tied pair's identical int8 bytes stored once
+    "8da8w-ptd": ({"quantize": "8da8w", "embedding_quantize": "int8", "lm_head": "same", "weights": "external"},
+                  "options"),
+    # per layer type: int8 attention projections beside an int4 MLP, an int8 lm_head
+    "8da4w-attn8": ({"quantize": "8da4w", "group_size": 32, "attention": "8da8w", "lm_head": "8da8w",
+                     "embedding_quantize": "int8"}, "options"),
     # ptq_int8 with GPTQ and a hand-listed mix: block 0 fp32, lm_head 8da8w, block 1 8da4w
     "mixed": ({"quantize": "none"}, "mixed"),
 }
@@ -81,7 +87,7 @@ def exported(tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_parity_and_greedy(exported, ids, scheme):
     """fp32: same arithmetic, so logits to 1e-4 and the same greedy text.
@@ -114,7 +120,7 @@ def test_parity_and_greedy(exported, ids, scheme):
     assert g["diverged_at"] is None or g["diverged_at"] >= 1, g
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 def test_quantization_recorded(exported):
     q = exported["fp32"][0].details["quantization"]
     assert q["linear"] == {"fp32": 15} and q["embedding"] == "fp32"
@@ -128,11 +134,14 @@ def test_quantization_recorded(exported):
     assert mixed["embedding"] == "int8" and mixed["embedding_auto"]["quantized_to"] == "int8"
     assert mixed["embedding_auto"]["fp32_table_share"] > 0.25
     assert q["embedding_auto"] == {"quantized_to": None, "fp32_table_share": None}
+    # attention: 8da8w reaches the graph: the 4 attention projections of each layer int8, the 3 MLP int4
+    per_layer = exported["8da4w-attn8"][0].details["quantization"]["exported_linear"]
+    assert per_layer["counts"] == {"8da4w": 3 * TINY["num_hidden_layers"], "8da8w": 4 * TINY["num_hidden_layers"] + 1}
     sizes = {k: v[0].artifact.stat().st_size for k, v in exported.items()}
     assert sizes["8da4w"] < sizes["8da8w"] < sizes["fp32"] / 2, sizes
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 def test_tied_embedding_is_stored_once_with_external_weights(exported):
     """A single .pte holds a tied fp32 table twice (a program constant for the embedding lookup,
     and XNNPACK's copy for lm_head); with weights: external both go to model.ptd, which stores
@@ -146,7 +155,21 @@ def test_tied_embedding_is_stored_once_with_external_weights(exported):
     assert ExecuTorchRunner(external.artifact).size_bytes() == external.manifest["size_bytes"]
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
+def test_tied_int8_table_and_8da8w_head_are_stored_once(exported):
+    """The quantized weights XNNPACK reads (the dequantize node over the int8 data) go to model.ptd too,
+    and the int8 lookup table and the 8da8w lm_head hold the same bytes: one copy, where a single .pte
+    (the ``8da8w`` export: the same schemes) holds two."""
+    int8_table = TINY["vocab_size"] * TINY["hidden_size"]
+    res = exported["8da8w-ptd"][0]
+    assert res.details["weights"]["tied_embedding"].startswith("stored once"), res.details["weights"]
+    assert res.details["weights"]["pte_bytes"] < 0.05 * int8_table, res.details["weights"]
+    assert exported["8da8w"][0].manifest["size_bytes"] > 2 * int8_table
+    body = exported["8da8w"][0].manifest["size_bytes"] - 2 * int8_table  # everything but the two tables
+    assert res.manifest["size_bytes"] < int8_table + body + 0.1 * int8_table, res.manifest["size_bytes"]
+
+
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 def test_exported_graph_has_the_mix_the_stage_chose(exported):
     """The mix is read back from the exported graph (what XNNPACK lowers), not from the eager model."""
     res = exported["mixed"][0]
@@ -160,7 +183,7 @@ def test_exported_graph_has_the_mix_the_stage_chose(exported):
     assert res.details["delegation"]["delegated_fraction"] > 0
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 def test_delegation_reported(exported):
     """The row reports the delegated fraction and the short list of kernels left outside XNNPACK,
     read from the serialized program (what runs per call, after quant fusion): the cache update
@@ -187,7 +210,7 @@ def test_delegation_reported(exported):
     assert ops["llama::update_cache"] == 2 * TINY["num_hidden_layers"] and ops["rms_norm_swapped"] == 5
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 def test_shipped_directory_and_load_from_path(exported, tiny):
     res, _ = exported["fp32"]
     out = res.artifact.parent
@@ -212,7 +235,7 @@ def test_shipped_directory_and_load_from_path(exported, tiny):
     assert runner.size_bytes() == res.artifact.stat().st_size
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 def test_runner_positions_and_limit(exported, ids):
     runner = ExecuTorchRunner(exported["fp32"][0].artifact)
     first = runner.forward(ids[:10], all_logits=False)
@@ -230,7 +253,7 @@ def test_runner_positions_and_limit(exported, ids):
     assert len(new) == MAX_SEQ_LEN - 40 + 1 and runner.position == MAX_SEQ_LEN
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 @pytest.mark.parametrize("fail_at", ["program", "tokenizer"])
 def test_a_failed_export_leaves_the_previous_one_whole(exported, tiny, tmp_path, monkeypatch, fail_at):
     """The new export is built beside the old one and swapped in whole: a failure after the
@@ -256,7 +279,7 @@ def test_a_failed_export_leaves_the_previous_one_whole(exported, tiny, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shipped"], "temporary directories left behind"
 
 
-@pytest.mark.slow  # the module's `exported` fixture lowers five programs (about 75 s)
+@pytest.mark.slow  # the module's `exported` fixture lowers seven programs (about 105 s)
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "missing"])
 def test_corrupted_pte_is_a_clear_error(exported, tmp_path, damage):
     data = exported["fp32"][0].artifact.read_bytes()
