@@ -194,7 +194,7 @@ def cmd_fit(args) -> int:
     res = fit(args.config, args.device_profile, target=args.target, out_dir=args.output,
               overrides=tuple(args.overrides), decode_tok_s=args.decode_tok_s, max_memory_gib=args.max_memory_gib,
               max_ppl_pct=args.max_ppl_pct, windows=args.windows, finalists=args.finalists,
-              max_seq_lens=args.max_seq_len, log=_console_say, progress=_progress(args))
+              max_seq_lens=args.max_seq_len, export_finalists=args.export_finalists, log=_console_say, progress=_progress(args))
     print(res.table())
     print(f"\nwinner: {res.winner.label(res.several_lengths)} · {res.paths['yaml']} (run it with optimize pipeline to measure it "
           "in the runtime) · plot: " + res.paths.get("png", "not drawn"))
@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest measured perplexity increase, %% (default: the YAML's gates.perplexity)")
     s.add_argument("--windows", type=int, default=8, help="eval windows per finalist's perplexity (0: bytes only)")
     s.add_argument("--finalists", type=int, default=6, help="recipes that fit whose perplexity is measured")
+    s.add_argument("--export-finalists", type=int, default=0, metavar="K",
+                   help="also export the best K measured recipes and measure them in ExecuTorch (the winner is then "
+                   "chosen by the runtime's perplexity)")
     s.add_argument("--max-seq-len", type=int, nargs="+", metavar="N",
                    help="KV-cache lengths to price (default: the YAML's); the longest at which a recipe fits wins")
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

@@ -31,15 +31,18 @@ import yaml
 
 from optimize import fit_stages
 from optimize.fit_price import Priced, candidates, model_shapes, price
+from optimize.quiet import LogOutput
 
 MIB = 2**20
 
 
 def _rank(r: Priced) -> tuple:
-    """Best first: the longest cache, then the measured perplexity where there is one (else the
-    heuristic), then memory."""
-    return ((0, -r.max_seq_len, r.perplexity, r.memory_bytes) if r.measured
-            else (1, -r.max_seq_len, r.quality_penalty, r.memory_bytes))
+    """Best first: exported and measured in the runtime, then measured in eager, then priced only;
+    within each, the longest cache, then the perplexity (else the heuristic), then memory."""
+    if r.runtime is not None:
+        return 0, -r.max_seq_len, r.runtime["perplexity"], r.memory_bytes
+    return ((1, -r.max_seq_len, r.perplexity, r.memory_bytes) if r.measured
+            else (2, -r.max_seq_len, r.quality_penalty, r.memory_bytes))
 
 
 def _finalists(rows: list[Priced], n: int) -> list[Priced]:
@@ -75,13 +78,17 @@ class FitResult:
                  "+ KV + logits, no interpreter (priced from bytes); decode: PREDICTED bandwidth ceiling; "
                  f"quality penalty: heuristic order of the loss, lower is better; {measured}.", "",
                  "| recipe | artifact MiB | memory MiB | decode ceiling tok/s (predicted) | quality penalty "
-                 "| perplexity (Δ) | fits | Pareto |",
-                 "|---|---:|---:|---:|---:|---:|---|---|"]
+                 "| perplexity (Δ) | exported: MiB · ExecuTorch perplexity (Δ) · host tok/s · device tok/s PREDICTED "
+                 "| fits | Pareto |",
+                 "|---|---:|---:|---:|---:|---:|---|---|---|"]
         for r in sorted(self.rows, key=_rank):
             mark = " **winner**" if r is self.winner else ""
             ppl = f"{r.perplexity:.3f} ({r.perplexity_delta_pct:+.2f}%)" if r.measured else "–"
+            rt = r.runtime
+            ran = (f"{rt['artifact_bytes'] / MIB:.1f} · {rt['perplexity']:.3f} ({rt['perplexity_delta_pct']:+.2f}%) · "
+                   f"{rt['host_decode_tok_s']:.1f} · {rt['predicted_decode_tok_s']}" if rt else "–")
             lines.append(f"| {r.label(self.several_lengths)}{mark} | {r.artifact_bytes / MIB:.1f} | {r.memory_bytes / MIB:.1f} | "
-                         f"{r.decode_ceiling_tok_s:.1f} | {r.quality_penalty:.3f} | {ppl} | "
+                         f"{r.decode_ceiling_tok_s:.1f} | {r.quality_penalty:.3f} | {ppl} | {ran} | "
                          f"{'yes' if r.fits else 'no: ' + r.why_not} | {'yes' if r.pareto else ''} |")
         return "\n".join(lines)
 
@@ -117,7 +124,7 @@ class FitRefused(ValueError):
 def fit(config_path: str | Path, device_profile: str, *, target: str = "executorch", out_dir: str | Path | None = None,
         overrides: tuple[str, ...] = (), decode_tok_s: float | None = None, max_memory_gib: float | None = None,
         max_ppl_pct: float | None = None, windows: int = 8, finalists: int = 6,
-        max_seq_lens: list[int] | tuple[int, ...] | None = None, log=lambda m: None,
+        max_seq_lens: list[int] | tuple[int, ...] | None = None, export_finalists: int = 0, log=lambda m: None,
         progress: bool = False) -> FitResult:
     """Price every candidate recipe for the YAML's model on ``device_profile``, measure the
     perplexity of up to ``finalists`` of those that fit (``windows`` eval windows each; 0: bytes
@@ -134,6 +141,10 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     trade context for memory when nothing fits at full length. Each is checked as the exporter would
     (the model's position limit, its sliding windows) before anything is priced.
 
+    ``export_finalists``: the best that many measured recipes that fit (distinct quantizations) are
+    also exported and measured in ExecuTorch (:mod:`optimize.fit_export`); the winner is then the
+    exported recipe with the lowest runtime perplexity within the budgets.
+
     Quiet unless ``progress``: the measurement's bars and library output go to ``fit.log`` in
     ``out_dir``; ``log`` gets one line per finalist either way."""
     from optimize.config import export_options, load_config, read_yaml
@@ -144,8 +155,11 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
 
     if target != "executorch":
         raise ValueError(f"optimize fit prices the ExecuTorch exporter's recipes; target {target!r} is not priced yet")
-    if windows < 0 or finalists < 1:
-        raise ValueError(f"windows must be >= 0 and finalists >= 1 (got {windows}, {finalists})")
+    if windows < 0 or finalists < 1 or export_finalists < 0:
+        raise ValueError(f"windows must be >= 0, finalists >= 1 and export_finalists >= 0 (got {windows}, {finalists}, "
+                         f"{export_finalists})")
+    if export_finalists and not windows:
+        raise ValueError("export_finalists needs windows > 0: the exported recipes are the best measured ones")
     cfg = load_config(config_path, overrides, target=target, device_profile=device_profile, check_model=False)
     device = load_device(device_profile)
     profile = load_target(target)
@@ -178,7 +192,6 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
         chosen = _finalists(rows, finalists)
         if chosen:
             from optimize import fit_quality
-            from optimize.quiet import LogOutput
 
             with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
                 # one eval for every length, so the perplexities compare
@@ -196,6 +209,11 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
                     r.miss = max(r.miss, r.perplexity_delta_pct / limit if limit else math.inf)
                     r.why_not = f"perplexity {r.perplexity_delta_pct:+.2f}% > {limit:g}%"
     fitting = [r for r in rows if r.fits and (r.measured or not quality)]
+    if export_finalists and quality and fitting:
+        with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
+            quality["runtime"] = _export_best(cfg, fitting, export_finalists, device, out, quality, lengths[-1],
+                                              finished, budgets, log)
+        fitting = [r for r in fitting if r.fits]
     winner = min(fitting, key=_rank) if fitting else None
     result = FitResult(device=device.name, max_seq_len=n, rows=rows, winner=winner, paths={}, quality=quality,
                        budgets=budgets, max_seq_lens=lengths)
@@ -219,6 +237,11 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
         data["export"]["executorch"] = {**(data["export"].get("executorch") or {}), **block}
         measured = (f", measured perplexity {winner.perplexity:.3f} ({winner.perplexity_delta_pct:+.2f}%) on "
                     f"{quality['windows']} windows" if winner.measured else "")
+        if winner.runtime:
+            rt = winner.runtime
+            measured += (f"; exported: {rt['artifact_bytes'] / MIB:.1f} MiB, ExecuTorch perplexity {rt['perplexity']:.3f} "
+                         f"({rt['perplexity_delta_pct']:+.2f}%), {rt['predicted_decode_tok_s']} tok/s PREDICTED from "
+                         f"the host's measured {rt['host_decode_tok_s']:.1f}")
         header = (f"# optimize fit: {winner.label(result.several_lengths)} for {device.name} (memory {winner.memory_bytes / MIB:.1f} MiB "
                   f"priced from bytes, predicted decode ceiling {winner.decode_ceiling_tok_s:.1f} tok/s{measured}); "
                   "run it to measure in the runtime\n"
@@ -237,6 +260,30 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
         raise FitRefused(f"no recipe fits {device.name}: the closest, {near.label(result.several_lengths)}, misses by {near.why_not} "
                          f"(table in {result.paths['md']})", result)
     return result
+
+
+def _export_best(cfg, fitting: list[Priced], k: int, device, out: Path, quality: dict, seq_len: int,
+                 finished: list, budgets: dict, log) -> dict:
+    """Export the best ``k`` distinct quantizations of ``fitting`` (optimize.fit_export) and hold their
+    runtime figures to the budgets: the runtime perplexity, the decode PREDICTED from the measured one."""
+    from optimize import fit_export
+
+    best: dict[tuple, Priced] = {}
+    for r in sorted(fitting, key=_rank):
+        if len(best) < k:
+            best.setdefault(r.quant_key(), r)
+    info = fit_export.export_finalists(cfg, list(best.values()), device, out, windows=quality["windows"],
+                                       seq_len=seq_len, baseline=quality["baseline_perplexity"], after=finished, log=log)
+    limit, floor = budgets["max_ppl_pct"], budgets["decode_tok_s"]
+    for r in best.values():
+        delta, rate = r.runtime["perplexity_delta_pct"], r.runtime["predicted_decode_tok_s"]
+        why = ([f"runtime perplexity {delta:+.2f}% > {limit:g}%"] if limit is not None and delta > limit else []) + (
+            [f"predicted {rate:.1f} < budget {floor:g} tok/s from the measured decode"]
+            if floor is not None and rate is not None and rate < floor else [])
+        if why:
+            r.fits, r.why_not = False, "; ".join(why)
+            r.miss = max(r.miss, delta / limit if limit else 1.0, floor / rate if floor and rate else 1.0)
+    return info
 
 
 def _check_lengths(config, opts, lengths: list[int]) -> None:

@@ -59,6 +59,8 @@ class Priced:
     #: measured on a short eval (optimize.fit_quality) for the finalists; None where not measured
     perplexity: float | None = None
     perplexity_delta_pct: float | None = None
+    #: exported and measured in ExecuTorch (optimize.fit_export, --export-finalists); None where not
+    runtime: dict | None = None
 
     @property
     def measured(self) -> bool:

@@ -175,3 +175,31 @@ def test_a_shorter_cache_is_taken_only_when_nothing_fits_at_full_length(tiny_cfg
     limit = tiny_cfg["model"]["config"].get("max_position_embeddings", 2048)
     with pytest.raises(ValueError, match=rf"max_seq_len {4 * limit}: .*max_position_embeddings"):
         fit(path, "raspberry-pi-5", out_dir=tmp_path / "c", windows=0, max_seq_lens=[512, 4 * limit])
+
+
+@pytest.mark.slow  # two tiny ExecuTorch exports (about 30 s)
+def test_the_best_finalists_are_exported_and_measured_in_the_runtime(tiny_cfg, tmp_path):
+    """--export-finalists: the best measured recipes are lowered as fit.yaml would lower them and
+    measured in ExecuTorch (bytes as written, perplexity on the same windows, host decode, the device's
+    decode PREDICTED from it); the winner is the exported one with the lowest runtime perplexity."""
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    lines = []
+    res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", windows=1, finalists=3, export_finalists=2,
+              log=lines.append)
+    exported = [r for r in res.rows if r.runtime is not None]
+    assert len(exported) == 2 and len({r.quant_key() for r in exported}) == 2
+    assert res.winner in exported
+    assert res.winner.runtime["perplexity"] == min(r.runtime["perplexity"] for r in exported)
+    for r in exported:
+        rt = r.runtime
+        assert (tmp_path / "fit" / "finalists").exists() and rt["artifact"].endswith("model.pte")
+        # the priced bytes against the written ones (the tiny model's metadata methods are a larger share)
+        assert rt["artifact_bytes"] == pytest.approx(r.artifact_bytes, rel=0.1), (rt, r.artifact_bytes)
+        assert rt["host_decode_tok_s"] > 0 and rt["predicted_decode_tok_s"] > 0
+        assert abs(rt["perplexity"] / r.perplexity - 1) < 0.1  # XNNPACK's kernels against torchao's reference
+    assert sum("fit: exported" in m for m in lines) == 2
+    assert "ExecuTorch perplexity" in (tmp_path / "fit" / "fit.md").read_text()
+    assert "exported:" in (tmp_path / "fit" / "fit.yaml").read_text()
+    with pytest.raises(ValueError, match="export_finalists needs windows > 0"):
+        fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit2", windows=0, export_finalists=1)
