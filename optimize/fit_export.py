@@ -34,14 +34,9 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
     from optimize.predict import predict, weight_bytes_per_token
     from targets.devices import host_bandwidth
     from train.corpus import split_data
-    from train.sources import load_model
 
-    loaded = load_model(cfg.model)
-    model = loaded.model.float().eval()
-    if after:
-        loaded.model = model = None  # one model in memory at a time
-        model = fit_stages.load_after(cfg, list(after))
-    eval_ids = split_data(cfg.data, loaded.tokenizer).eval_ids
+    model, tokenizer = fit_stages.load_measured(cfg, list(after))
+    eval_ids = split_data(cfg.data, tokenizer).eval_ids
     wins = eval_windows(eval_ids, min(cfg.data.seq_len, seq_len))[:windows]
     lat = cfg.checks.latency
     shortest = min(r.max_seq_len for r in rows)
@@ -51,7 +46,7 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
     exporter = ExecuTorchExporter()
     for i, row in enumerate(rows):
         opts = {**row.export_block(), "max_seq_len": row.max_seq_len}
-        res = exporter.export(copy.deepcopy(model), loaded.tokenizer, Path(out_dir) / "finalists" / str(i), opts,
+        res = exporter.export(copy.deepcopy(model), tokenizer, Path(out_dir) / "finalists" / str(i), opts,
                               log=lambda m: None)
         runner = exporter.load(res.artifact)
         with torch.inference_mode():

@@ -30,18 +30,13 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
     from export.runtime import EagerRunner
     from optimize.checks.accuracy import eval_windows, evaluate
     from train.corpus import split_data
-    from train.sources import load_model
 
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
     from optimize import fit_stages
 
-    loaded = load_model(cfg.model)
-    model = loaded.model.float().eval()
-    if after:
-        loaded.model = model = None  # one model in memory at a time
-        model = fit_stages.load_after(cfg, list(after))
-    wins = eval_windows(split_data(cfg.data, loaded.tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
+    model, tokenizer = fit_stages.load_measured(cfg, list(after))
+    wins = eval_windows(split_data(cfg.data, tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
     tokens = sum(int(w.numel()) - 1 for w in wins)
     with torch.inference_mode():
         base = evaluate(EagerRunner(model), wins, desc="fp32").perplexity

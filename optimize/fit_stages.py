@@ -66,6 +66,18 @@ def load_after(cfg: Any, dirs: list[Path]):
     return model.float().eval()
 
 
+def load_measured(cfg: Any, dirs: list[Path]):
+    """(model, tokenizer) the recipes are measured on: the model after the last of ``dirs`` (the
+    finished leading stages), else as loaded; float32, eval; one model in memory at a time."""
+    from train.sources import load_model
+
+    loaded = load_model(cfg.model)
+    if not dirs:
+        return loaded.model.float().eval(), loaded.tokenizer
+    loaded.model = None
+    return load_after(cfg, dirs), loaded.tokenizer
+
+
 def describe(cfg: Any, dirs: list[Path]) -> str:
     kept = leading_kept(cfg)
     if not dirs:
@@ -101,4 +113,4 @@ def link_into(fit_cfg: Any, dirs: list[Path]) -> list[Path]:
     return linked
 
 
-__all__ = ["describe", "finished", "leading_kept", "link_into", "load_after", "stage_dirs"]
+__all__ = ["describe", "finished", "leading_kept", "link_into", "load_after", "load_measured", "stage_dirs"]

@@ -91,8 +91,8 @@ def _apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> dict
             if opts.quantize == "8da4w"
             else cfg_8da8w
         )
-        by_role = {"head": {"same": main, "fp32": None, "8da8w": cfg_8da8w}[opts.lm_head],
-                   "attention": {"same": main, "fp32": None, "8da8w": cfg_8da8w}[opts.attention], "body": main}
+        choice = {"same": main, "fp32": None, "8da8w": cfg_8da8w}  # lm_head's and attention's options
+        by_role = {"head": choice[opts.lm_head], "attention": choice[opts.attention], "body": main}
 
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         heads = {f for f, m in model.named_modules() if out is not None and m is out}  # GPT-NeoX: embed_out
