@@ -194,7 +194,8 @@ def cmd_fit(args) -> int:
     res = fit(args.config, args.device_profile, target=args.target, out_dir=args.output,
               overrides=tuple(args.overrides), decode_tok_s=args.decode_tok_s, max_memory_gib=args.max_memory_gib,
               max_ppl_pct=args.max_ppl_pct, windows=args.windows, finalists=args.finalists,
-              max_seq_lens=args.max_seq_len, export_finalists=args.export_finalists, log=_console_say, progress=_progress(args))
+              max_seq_lens=args.max_seq_len, export_finalists=args.export_finalists, depths=args.depths,
+              heal_steps=args.heal_steps, log=_console_say, progress=_progress(args))
     print(res.table())
     print(f"\nwinner: {res.winner.label(res.several_lengths)} · {res.paths['yaml']} (run it with optimize pipeline to measure it "
           "in the runtime) · plot: " + res.paths.get("png", "not drawn"))
@@ -301,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "chosen by the runtime's perplexity)")
     s.add_argument("--max-seq-len", type=int, nargs="+", metavar="N",
                    help="KV-cache lengths to price (default: the YAML's); the longest at which a recipe fits wins")
+    s.add_argument("--depths", type=int, nargs="+", metavar="N",
+                   help="decoder blocks kept, searched beside the full depth: depth-pruned (ShortGPT block influence) "
+                   "and healed by distillation from the unpruned model where a recipe at that depth is a finalist")
+    s.add_argument("--heal-steps", type=int, default=32,
+                   help="distillation steps that heal each depth-pruned model (0: prune only; default 32)")
     s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars and library output on stderr (default: only on a terminal; else <output>/fit.log)")
     s.set_defaults(fn=cmd_fit)

@@ -9,10 +9,13 @@ short eval (:mod:`optimize.fit_quality`: the exporter's own quantization of the 
 PyTorch), shared by the recipes that differ only in storage or cache length. They are measured on the
 model after the YAML's leading stages that do not quantize, where a run of the YAML already finished
 them (:mod:`optimize.fit_stages`, which also links those checkpoints for ``fit.yaml``'s run).
+With ``depths``, each decoder-block count is one more dimension: priced from its pruned config, and
+measured on the model pruned and healed as the pipeline would (:mod:`optimize.fit_depth`).
 
 The winner: the longest ``max_seq_len`` at which a recipe fits (context is what the app was built
 for; a shorter cache is a way to fit, not a preference), then the lowest measured perplexity within
-the budgets (memory, storage, the predicted decode floor, ``max_ppl_pct``), then the least memory.
+the budgets (memory, storage, the predicted decode floor, ``max_ppl_pct``), then the least memory,
+then the smallest artifact.
 ``fit.md`` holds the table, ``fit.json`` the same as data, ``fit.png`` the plot, ``fit.yaml`` the
 pipeline YAML with the winner's ``export.executorch`` block (stages that quantize are dropped: the
 exporter's quantization is what was priced); run it to measure the winner in the runtime. Nothing
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from optimize import fit_stages
+from optimize import fit_plot, fit_stages
 from optimize.fit_price import Priced, candidates, model_shapes, price
 from optimize.quiet import LogOutput
 
@@ -38,19 +41,22 @@ MIB = 2**20
 
 def _rank(r: Priced) -> tuple:
     """Best first: exported and measured in the runtime, then measured in eager, then priced only;
-    within each, the longest cache, then the perplexity (else the heuristic), then memory."""
+    within each, the longest cache, then the perplexity (else the heuristic), then memory, then storage."""
     if r.runtime is not None:
-        return 0, -r.max_seq_len, r.runtime["perplexity"], r.memory_bytes
-    return ((1, -r.max_seq_len, r.perplexity, r.memory_bytes) if r.measured
-            else (2, -r.max_seq_len, r.quality_penalty, r.memory_bytes))
+        return 0, -r.max_seq_len, r.runtime["perplexity"], r.memory_bytes, r.artifact_bytes
+    return ((1, -r.max_seq_len, r.perplexity, r.memory_bytes, r.artifact_bytes) if r.measured
+            else (2, -r.max_seq_len, r.quality_penalty, r.memory_bytes, r.artifact_bytes))
 
 
 def _finalists(rows: list[Priced], n: int) -> list[Priced]:
-    """Up to ``n`` recipes that fit, one per distinct quantization, best-looking first."""
+    """Up to ``n`` recipes that fit at each depth, one per distinct quantization, best-looking first
+    (a depth's heal is its cost; measuring its quantizations after it is cheap)."""
     chosen: dict[tuple, Priced] = {}
+    per_depth: dict[int | None, int] = {}
     for r in sorted((r for r in rows if r.fits), key=_rank):
-        if len(chosen) < n:
-            chosen.setdefault(r.quant_key(), r)
+        if r.quant_key() not in chosen and per_depth.get(r.depth, 0) < n:
+            chosen[r.quant_key()] = r
+            per_depth[r.depth] = per_depth.get(r.depth, 0) + 1
     return list(chosen.values())
 
 
@@ -67,6 +73,9 @@ class FitResult:
     max_seq_lens: list[int] = field(default_factory=list)
     #: stage checkpoints of the YAML's run linked into fit.yaml's run directory (optimize.fit_stages)
     reused_stages: list[str] = field(default_factory=list)
+    #: decoder-block counts searched beside the full depth (optimize.fit_depth), and their heal's steps
+    depths: list[int] = field(default_factory=list)
+    heal_steps: int | None = None
 
     def table(self) -> str:
         q = self.quality or {}
@@ -74,6 +83,11 @@ class FitResult:
                     f"fp32 {q['baseline_perplexity']:.3f}), the exporter's own quantization in eager PyTorch, of "
                     f"{q.get('model', 'the model as loaded')}" if q else "perplexity: not measured (--windows 0)")
         lens = self.max_seq_lens or [self.max_seq_len]
+        if self.depths:
+            healed = ", ".join(f"{d} blocks: fp32 {v['fp32_perplexity']:.3f} after a {self.heal_steps}-step heal"
+                               for d, v in (q.get("depths") or {}).items())
+            measured += (f"; depth-pruned recipes measured on the healed model against the unpruned fp32"
+                         + (f" ({healed})" if healed else " (no depth was a finalist: none healed)"))
         lines = [f"Recipes for `{self.device}` at max_seq_len {', '.join(map(str, lens))}. Memory: artifact + packed weights "
                  "+ KV + logits, no interpreter (priced from bytes); decode: PREDICTED bandwidth ceiling; "
                  f"quality penalty: heuristic order of the loss, lower is better; {measured}.", "",
@@ -106,7 +120,7 @@ class FitResult:
         from dataclasses import asdict
 
         return {"device": self.device, "max_seq_len": self.max_seq_len, "max_seq_lens": self.max_seq_lens,
-                "reused_stages": self.reused_stages,
+                "reused_stages": self.reused_stages, "depths": self.depths, "heal_steps": self.heal_steps,
                 "quality": self.quality,
                 "budgets": self.budgets, "paths": self.paths,
                 "winner": self.winner.label(self.several_lengths) if self.winner else None,
@@ -124,7 +138,8 @@ class FitRefused(ValueError):
 def fit(config_path: str | Path, device_profile: str, *, target: str = "executorch", out_dir: str | Path | None = None,
         overrides: tuple[str, ...] = (), decode_tok_s: float | None = None, max_memory_gib: float | None = None,
         max_ppl_pct: float | None = None, windows: int = 8, finalists: int = 6,
-        max_seq_lens: list[int] | tuple[int, ...] | None = None, export_finalists: int = 0, log=lambda m: None,
+        max_seq_lens: list[int] | tuple[int, ...] | None = None, export_finalists: int = 0,
+        depths: list[int] | tuple[int, ...] | None = None, heal_steps: int = 32, log=lambda m: None,
         progress: bool = False) -> FitResult:
     """Price every candidate recipe for the YAML's model on ``device_profile``, measure the
     perplexity of up to ``finalists`` of those that fit (``windows`` eval windows each; 0: bytes
@@ -145,8 +160,16 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     also exported and measured in ExecuTorch (:mod:`optimize.fit_export`); the winner is then the
     exported recipe with the lowest runtime perplexity within the budgets.
 
+    ``depths``: decoder-block counts to search beside the full depth (:mod:`optimize.fit_depth`):
+    each is priced from its pruned config; where one of its recipes is a finalist, the model is
+    depth-pruned and healed by ``heal_steps`` distillation steps from the unpruned model (a
+    pipeline run in ``<out_dir>/depth/<n>``, resumed by a re-run), and its quantizations are
+    measured on the healed model against the unpruned baseline. A depth that wins puts its
+    ``prune`` and ``distill`` stages first in ``fit.yaml``, whose run resumes from their checkpoints.
+
     Quiet unless ``progress``: the measurement's bars and library output go to ``fit.log`` in
     ``out_dir``; ``log`` gets one line per finalist either way."""
+    from optimize import fit_depth
     from optimize.config import export_options, load_config, read_yaml
     from targets import load_target
     from targets.atomic import atomic_write_text
@@ -168,10 +191,16 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     config = peek_config(cfg.model)
     lengths = sorted(set(max_seq_lens or [n]), reverse=True)
     _check_lengths(config, opts, lengths)
-    shapes = model_shapes(config)
-    widths = sorted({i for o, i in shapes[0].values()})
-    rows = [price(config, length, device, shapes=shapes, **c) for length in lengths
-            for c in candidates(widths, tied=shapes[3])]
+    depths = sorted(set(depths or ()), reverse=True)
+    fit_depth.check_depths(cfg, config, depths, heal_steps)
+    blocks = fit_depth.blocks(config) if depths else None
+    rows = []
+    for depth in [None, *depths]:  # a meta model of each pruned config gives its shapes
+        conf = fit_depth.pruned_config(config, depth)
+        shapes = model_shapes(conf)
+        widths = sorted({i for o, i in shapes[0].values()})
+        rows += [price(conf, length, device, shapes=shapes, depth=depth, blocks=blocks, **c) for length in lengths
+                 for c in candidates(widths, tied=shapes[3])]
     gate = cfg.gates.perplexity.max_pct_degradation if cfg.gates.perplexity is not None else None
     budgets = {"memory_bytes": min(device.usable_bytes, int(max_memory_gib * 2**30)) if max_memory_gib
                else device.usable_bytes, "storage_bytes": device.storage_bytes,
@@ -188,15 +217,14 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     out.mkdir(parents=True, exist_ok=True)
     quality = None
     finished = fit_stages.finished(cfg)  # leading stages a run of the YAML already did: measured after them
+    #: depth -> (config, checkpoints) of the model its recipes are measured (and exported) on
+    sources: dict[int | None, tuple] = {None: (cfg, finished)}
     if windows:
         chosen = _finalists(rows, finalists)
         if chosen:
-            from optimize import fit_quality
-
             with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
                 # one eval for every length, so the perplexities compare
-                quality = fit_quality.measure_finalists(cfg, chosen, max_seq_len=lengths[-1], windows=windows,
-                                                        log=log, after=finished)
+                quality = _measure(chosen, sources, out, lengths[-1], windows, heal_steps, progress, log)
             by_key = {r.quant_key(): r for r in chosen}
             limit = budgets["max_ppl_pct"]
             for r in rows:  # the recipes that differ from a finalist only in storage or cache length share it
@@ -211,14 +239,14 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     fitting = [r for r in rows if r.fits and (r.measured or not quality)]
     if export_finalists and quality and fitting:
         with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
-            quality["runtime"] = _export_best(cfg, fitting, export_finalists, device, out, quality, lengths[-1],
-                                              finished, budgets, log)
+            quality["runtime"] = _export_best(sources, fitting, export_finalists, device, out, quality, lengths[-1],
+                                              budgets, log)
         fitting = [r for r in fitting if r.fits]
     winner = min(fitting, key=_rank) if fitting else None
     result = FitResult(device=device.name, max_seq_len=n, rows=rows, winner=winner, paths={}, quality=quality,
-                       budgets=budgets, max_seq_lens=lengths)
+                       budgets=budgets, max_seq_lens=lengths, depths=depths, heal_steps=heal_steps if depths else None)
     result.paths["md"] = str(atomic_write_text(out / "fit.md", result.table() + "\n"))
-    plot = render_fit_plot(result, out / "fit.png")
+    plot = fit_plot.render(result, out / "fit.png")
     if plot is not None:
         result.paths["png"] = str(plot)
     if winner is not None:
@@ -226,6 +254,8 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
         # the recipe is the exporter's quantization: stages that quantize would decide it instead
         dropped = [s.label(i) for i, s in enumerate(cfg.stages) if s.quant_scheme() is not None]
         data["stages"] = [d for d, s in zip(data.get("stages") or [], cfg.stages) if s.quant_scheme() is None]
+        if winner.depth is not None:  # pruned and healed first: the kept stages calibrate on the pruned model
+            data["stages"] = fit_depth.depth_stages(winner.depth, heal_steps) + data["stages"]
         data.update(target=target, device_profile=device_profile)
         # its own run directory: run as is, it must not resume or overwrite the original YAML's run
         suffix = f"-fit-{device.name}"
@@ -246,10 +276,12 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
                   f"priced from bytes, predicted decode ceiling {winner.decode_ceiling_tok_s:.1f} tok/s{measured}); "
                   "run it to measure in the runtime\n"
                   + (f"# quantizing stages dropped (the exporter quantizes instead): {', '.join(dropped)}\n"
-                     if dropped else ""))
+                     if dropped else "")
+                  + (f"# depth {winner.depth} of {blocks} blocks: prune (ShortGPT block influence) and a "
+                     f"{heal_steps}-step distillation heal added first\n" if winner.depth is not None else ""))
         result.paths["yaml"] = str(atomic_write_text(out / "fit.yaml", header + yaml.safe_dump(data, sort_keys=False)))
         # fit.yaml's run resumes after the stages the YAML's run finished instead of redoing them
-        linked = fit_stages.link_into(load_config(out / "fit.yaml", check_model=False), finished)
+        linked = fit_stages.link_into(load_config(out / "fit.yaml", check_model=False), sources.get(winner.depth, (None, []))[1])
         result.reused_stages = [str(p) for p in linked]
         if linked:
             log(f"fit: {len(linked)} finished stage checkpoint(s) linked into fit.yaml's run directory")
@@ -262,18 +294,47 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     return result
 
 
-def _export_best(cfg, fitting: list[Priced], k: int, device, out: Path, quality: dict, seq_len: int,
-                 finished: list, budgets: dict, log) -> dict:
-    """Export the best ``k`` distinct quantizations of ``fitting`` (optimize.fit_export) and hold their
-    runtime figures to the budgets: the runtime perplexity, the decode PREDICTED from the measured one."""
+def _measure(chosen: list[Priced], sources: dict, out: Path, seq_len: int, windows: int, heal_steps: int,
+             progress: bool, log) -> dict:
+    """Measure the finalists (optimize.fit_quality): the full-depth ones on the model after the
+    finished leading stages, each depth's after its prune and heal (optimize.fit_depth), which adds
+    that depth's source to ``sources``. Every perplexity change is against the unpruned model's."""
+    from optimize import fit_depth, fit_quality
+
+    base_cfg, finished = sources[None]
+    quality = fit_quality.measure_finalists(base_cfg, [r for r in chosen if r.depth is None], max_seq_len=seq_len,
+                                            windows=windows, log=log, after=finished)
+    for depth in sorted({r.depth for r in chosen if r.depth is not None}, reverse=True):
+        log(f"fit: depth {depth}: pruning and healing ({heal_steps} steps) in {out / 'depth' / str(depth)}")
+        healed = fit_depth.heal(base_cfg, depth, heal_steps, out / "depth" / str(depth), progress=progress)
+        sources[depth] = (healed.cfg, healed.dirs)
+        q = fit_quality.measure_finalists(healed.cfg, [r for r in chosen if r.depth == depth], max_seq_len=seq_len,
+                                          windows=windows, log=log, after=healed.dirs,
+                                          baseline=quality["baseline_perplexity"])
+        quality.setdefault("depths", {})[depth] = {**healed.describe(), "model": q["model"],
+                                                   "fp32_perplexity": q["model_perplexity"]}
+    return quality
+
+
+def _export_best(sources: dict, fitting: list[Priced], k: int, device, out: Path, quality: dict, seq_len: int,
+                 budgets: dict, log) -> dict:
+    """Export the best ``k`` distinct quantizations of ``fitting`` (optimize.fit_export), each from
+    its depth's model in ``sources``, and hold their runtime figures to the budgets: the runtime
+    perplexity, the decode PREDICTED from the measured one."""
     from optimize import fit_export
 
     best: dict[tuple, Priced] = {}
     for r in sorted(fitting, key=_rank):
         if len(best) < k:
             best.setdefault(r.quant_key(), r)
-    info = fit_export.export_finalists(cfg, list(best.values()), device, out, windows=quality["windows"],
-                                       seq_len=seq_len, baseline=quality["baseline_perplexity"], after=finished, log=log)
+    info: dict = {}
+    for depth, (src_cfg, dirs) in sources.items():
+        group = [r for r in best.values() if r.depth == depth]
+        if group:
+            info = fit_export.export_finalists(src_cfg, group, device, out if depth is None else out / "depth" / str(depth),
+                                               windows=quality["windows"], seq_len=seq_len,
+                                               baseline=quality["baseline_perplexity"], after=dirs, log=log)
+    info["exported"] = len(best)
     limit, floor = budgets["max_ppl_pct"], budgets["decode_tok_s"]
     for r in best.values():
         delta, rate = r.runtime["perplexity_delta_pct"], r.runtime["predicted_decode_tok_s"]
@@ -313,45 +374,3 @@ def _check_bytes(r: Priced, budgets: dict) -> None:
             why.append(f"predicted ceiling {r.decode_ceiling_tok_s:.1f} < budget {floor:g} tok/s")
         miss = max(miss, floor / r.decode_ceiling_tok_s)
     r.fits, r.why_not, r.miss = not why, "; ".join(why), miss
-
-
-def render_fit_plot(result: FitResult, path: Path) -> Path | None:
-    """Perplexity change (measured; the heuristic penalty where nothing was measured) against the
-    predicted decode ceiling, marker area by memory; the winner starred. None without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:  # pragma: no cover - a pinned dependency
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from targets.atomic import atomic_write_bytes
-
-    measured = [r for r in result.rows if r.measured]
-    pts = measured or result.rows
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    peak = max(r.memory_bytes for r in pts)
-    for fits, colour, name in ((True, "tab:green", "fits"), (False, "tab:red", "misses a budget")):
-        sel = [r for r in pts if r.fits == fits]
-        if sel:
-            ax.scatter([r.decode_ceiling_tok_s for r in sel],
-                       [r.perplexity_delta_pct if measured else r.quality_penalty for r in sel],
-                       s=[30 + 300 * r.memory_bytes / peak for r in sel], c=colour, alpha=0.6, label=name)
-    w = result.winner
-    if w is not None:
-        ax.scatter([w.decode_ceiling_tok_s], [w.perplexity_delta_pct if measured else w.quality_penalty],
-                   marker="*", s=300, c="black", label=f"winner: {w.label()}")
-    floor = (result.budgets or {}).get("decode_tok_s")
-    if floor:
-        ax.axvline(floor, ls="--", c="grey", lw=1)
-    ax.set_xlabel("decode tok/s, PREDICTED (bandwidth ceiling)")
-    ax.set_ylabel("perplexity change %, measured (short eval)" if measured else "quality penalty (heuristic)")
-    ax.set_title(f"optimize fit: {result.device} (marker area: memory)")
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    import io
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return atomic_write_bytes(path, buf.getvalue())

@@ -4,19 +4,25 @@ A recipe is the ExecuTorch exporter's own quantization (``export.executorch``: `
 8da4w, ``group_size`` 32/64/128, ``attention`` same / 8da8w under 8da4w (per layer type: int8 attention
 beside an int4 MLP), ``lm_head`` same / 8da8w / fp32, ``embedding_quantize`` int8 / int4 / none), where the weights live (``weights``: one ``.pte``, or ``external`` for a tied model whose table
 and lm_head then hold identical bytes, which ``model.ptd`` stores once) and the KV cache's length
-(``max_seq_len``). A meta-device model gives the shapes; each recipe is priced as:
+(``max_seq_len``), and with ``optimize fit --depths`` how many decoder blocks are kept (``depth``:
+pruned and healed, :mod:`optimize.fit_depth`; its meta model is the pruned config's). A meta-device
+model gives the shapes; each recipe is priced as:
 
 - ``artifact_bytes``: every Linear at its precision, the embedding table at its own (a tied table is
   stored twice in a single ``.pte``: the lookup and lm_head; once in ``model.ptd`` when both are fp32,
   or the table int8 and lm_head 8da8w: ``export.executorch.exporter.SHARED_PAIRS``), the rest fp32;
 - ``memory_bytes``: the artifact + XNNPACK's packed copy of the weights a token reads + the KV cache at
   ``max_seq_len`` + one call's logits: the memory model :mod:`optimize.memory` checks against a measured
-  peak (about 2% off for a ``.pte``), without an interpreter (an app embeds the C++ runtime);
+  peak (about 2% off for a tiny ``.pte``, 7-12% over for SmolLM2's shape), without an interpreter (an
+  app embeds the C++ runtime). The artifact counted is the single ``.pte``'s even under ``weights:
+  external``: the table stored once measured the same peak as stored twice (docs/devices.md);
 - ``decode_ceiling_tok_s``: PREDICTED upper bound, the device's practical bandwidth over the bytes a
   token reads with the cache full;
 - ``quality_penalty``: a heuristic ORDER of expected accuracy loss, not a measurement: int8 < int4 g32 <
   g64 < g128 per weight byte, lm_head at int4 counted three times (it costs most of 8da4w's loss,
-  docs/executorch.md), the embedding's precision at a quarter. It only picks which recipes to measure.
+  docs/executorch.md), the embedding's precision at a quarter, and each dropped block's share of the
+  depth at ``DEPTH_PENALTY`` (a healed 30 -> 24 on SmolLM2-135M lost about 45% perplexity,
+  docs/benchmarks.md). It only orders recipes that were not measured.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ EMBEDDINGS = ("int8", "int4", None)
 _PENALTY = {"fp32": 0.0, "int8": 1.0, "int4g32": 3.0, "int4g64": 4.0, "int4g128": 5.0}
 #: (table, lm_head) precisions a tied pair shares in model.ptd (export.executorch.exporter.SHARED_PAIRS)
 _SHARED = (("fp32", "fp32"), ("int8", "int8"))
+#: the quality penalty of dropping every block (scaled by the share dropped): an ordering only
+DEPTH_PENALTY = 50.0
 
 
 @dataclass
@@ -51,6 +59,8 @@ class Priced:
     max_seq_len: int = 0
     weights: str = "embedded"
     attention: str = "same"
+    #: decoder blocks kept by depth pruning and healing (optimize.fit_depth); None: every block
+    depth: int | None = None
     fits: bool = False
     #: largest ratio of what the recipe needs to a budget (<= 1 when it fits); ranks refusals
     miss: float = 0.0
@@ -69,15 +79,16 @@ class Priced:
     def quant_key(self) -> tuple:
         """What decides the weights' values (so the perplexity): recipes that differ only in where the
         weights are stored or in the cache's length share one measurement."""
-        return self.scheme, self.group_size, self.lm_head, self.embedding, self.attention
+        return self.scheme, self.group_size, self.lm_head, self.embedding, self.attention, self.depth
 
     def label(self, with_len: bool = False) -> str:
-        if self.scheme == "none":
-            text = "fp32 (no quantization)"
-        else:
+        text = "fp32 (no quantization)"
+        if self.scheme != "none":
             g = f" g{self.group_size}" if self.group_size else ""
             att = f", attention {self.attention}" if self.attention != "same" else ""
             text = f"{self.scheme}{g}{att}, lm_head {self.lm_head}, embedding {self.embedding or 'fp32'}"
+        if self.depth is not None:
+            text = f"{self.depth} blocks (depth-pruned), " + text
         if self.weights == "external":
             text += ", weights external (tied table once)"
         return text + (f", max_seq_len {self.max_seq_len}" if with_len else "")
@@ -136,7 +147,9 @@ def shares_table(scheme: str, group_size: int | None, lm_head: str, embedding: s
 
 
 def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size: int | None, lm_head: str,
-          embedding: str | None, weights: str = "embedded", attention: str = "same", shapes=None) -> Priced:
+          embedding: str | None, weights: str = "embedded", attention: str = "same", shapes=None,
+          depth: int | None = None, blocks: int | None = None) -> Priced:
+    """``config`` is the model's (pruned to ``depth`` blocks where given, of ``blocks`` originally)."""
     from export.executorch.quant import is_attention
     from optimize.memory import kv_cache_bytes
 
@@ -150,19 +163,22 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
         penalty += (3.0 if name == head and p.startswith("int4") else 1.0) * _PENALTY[p] * o * i
     table = _bytes(vocab, hidden, emb_p)
     penalty += 0.25 * _PENALTY[emb_p] * vocab * hidden
+    dropped = (blocks - depth) / blocks if depth is not None and blocks else 0.0
     if head is None and tied:  # no lm_head Linear: the table itself is the head
         per_token += table
     once = weights == "external" and tied and head is not None and (emb_p, head_p) in _SHARED
     artifact = per_token + (0 if once else table)  # a single .pte keeps the lookup table apart from lm_head
     kv = kv_cache_bytes(config, max_seq_len)
-    memory = artifact + per_token + kv + 4 * vocab
+    # storing the table once saves storage, not memory: the peak measured the same either way
+    # (SmolLM2's shape, 4 blocks: 109.7 MB int8, 406 MB fp32; docs/devices.md)
+    memory = (per_token + table) + per_token + kv + 4 * vocab  # the single .pte's artifact, whatever is written
     params = sum(o * i for o, i in linears.values()) + vocab * hidden
     ceiling = device.bandwidth.practical_gb_s * 1e9 / (per_token + kv)
     return Priced(scheme=scheme, group_size=group_size if scheme == "8da4w" else None, lm_head=lm_head,
                   embedding=embedding, artifact_bytes=int(artifact), weight_bytes_per_token=int(per_token),
                   kv_cache_bytes=int(kv), memory_bytes=int(memory), decode_ceiling_tok_s=round(ceiling, 2),
-                  quality_penalty=round(penalty / params, 4), max_seq_len=max_seq_len, weights=weights,
-                  attention=attention)
+                  quality_penalty=round(penalty / params + DEPTH_PENALTY * dropped, 4), max_seq_len=max_seq_len,
+                  weights=weights, attention=attention, depth=depth)
 
 
 def candidates(hidden_widths: list[int], tied: bool = False) -> list[dict]:

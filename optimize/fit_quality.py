@@ -19,10 +19,13 @@ from typing import Any, Callable, Sequence
 
 
 def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, windows: int,
-                      log: Callable[[str], None] = lambda m: None, after: Sequence[Any] = ()) -> dict:
+                      log: Callable[[str], None] = lambda m: None, after: Sequence[Any] = (),
+                      baseline: float | None = None) -> dict:
     """Set ``perplexity`` and ``perplexity_delta_pct`` on each of ``rows`` (:class:`optimize.fit.Priced`);
-    returns what was measured (baseline perplexity, windows, tokens, on which model). ``after``: the
-    finished stage checkpoints to start from (:func:`optimize.fit_stages.finished`)."""
+    returns what was measured (baseline perplexity, the unquantized model's as ``model_perplexity``,
+    windows, tokens, on which model). ``after``: the finished stage checkpoints to start from
+    (:func:`optimize.fit_stages.finished`, or a depth's healed run); ``baseline``: the perplexity the
+    changes are against (default: this model's unquantized one; a pruned model's is the unpruned's)."""
     import torch
 
     from export.executorch.options import ExecuTorchOptions
@@ -39,8 +42,10 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
     wins = eval_windows(split_data(cfg.data, tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
     tokens = sum(int(w.numel()) - 1 for w in wins)
     with torch.inference_mode():
-        base = evaluate(EagerRunner(model), wins, desc="fp32").perplexity
-    log(f"fit: fp32 perplexity {base:.3f} on {len(wins)} windows ({tokens} tokens)")
+        own = evaluate(EagerRunner(model), wins, desc="fp32").perplexity
+    base = own if baseline is None else baseline
+    log(f"fit: fp32 perplexity {own:.3f} on {len(wins)} windows ({tokens} tokens)"
+        + (f", {100.0 * (own / base - 1.0):+.2f}% against {base:.3f}" if baseline is not None else ""))
     for i, row in enumerate(rows):
         quantized = copy.deepcopy(model)
         _apply_quantization(quantized, ExecuTorchOptions.model_validate({**row.export_block(),
@@ -51,7 +56,8 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
         row.perplexity = round(ppl, 4)
         row.perplexity_delta_pct = round(100.0 * (ppl / base - 1.0), 3) if math.isfinite(ppl) else math.inf
         log(f"fit: {i + 1}/{len(rows)} {row.label()}: perplexity {ppl:.3f} ({row.perplexity_delta_pct:+.2f}%)")
-    return {"baseline_perplexity": round(base, 4), "windows": len(wins), "tokens": tokens,
+    return {"baseline_perplexity": round(base, 4), "model_perplexity": round(own, 4), "windows": len(wins),
+            "tokens": tokens,
             "method": "eager PyTorch, the exporter's own quantization of the weights",
             "model": fit_stages.describe(cfg, list(after))}
 

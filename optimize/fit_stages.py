@@ -60,9 +60,9 @@ def finished(cfg: Any) -> list[Path]:
 def load_after(cfg: Any, dirs: list[Path]):
     """The model after the last of ``dirs`` (float32, eval), rebuilt as the pipeline resumes it."""
     from optimize import checkpoints as ckpt
-    from optimize.pipeline import _restores
+    from optimize.stage_api import restorers
 
-    model, _ = ckpt.load_stage(dirs[-1], _restores(cfg, len(dirs)))
+    model, _ = ckpt.load_stage(dirs[-1], restorers(cfg.stages[:len(dirs)]))
     return model.float().eval()
 
 

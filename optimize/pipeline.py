@@ -38,7 +38,7 @@ from optimize.measure import RunState, measure_eager, measure_runner, score_task
 from optimize.progress import Callback, Progress
 from optimize.report import Metrics, Report, StageRow, write_report
 from optimize.resources import PeakMemory
-from optimize.stage_api import StageContext, get_stage
+from optimize.stage_api import StageContext, get_stage, restorers
 
 log = logging.getLogger("optimize")
 
@@ -220,7 +220,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
         while done < len(dirs) and ckpt.is_complete(dirs[done]):
             done += 1
     if done:
-        restores = _restores(cfg, done)
+        restores = restorers(cfg.stages[:done])
         model, _ = ckpt.load_stage(dirs[done - 1], restores)
         model = place(model, device, dtype)
         for i in range(done):
@@ -312,15 +312,6 @@ def _calib_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     from train.corpus import windows
 
     return windows(ids, seq_len) if ids.numel() >= 2 else []
-
-
-def _restores(cfg: PipelineConfigBase, upto: int) -> list[Callable[[torch.nn.Module], None]]:
-    out = []
-    for stage_cfg in cfg.stages[:upto]:
-        spec = get_stage(stage_cfg.kind)
-        if spec.restore is not None:
-            out.append(lambda m, s=spec, c=stage_cfg: s.restore(m, c))
-    return out
 
 
 def _record_error(report: Report, row: StageRow, exc: Exception, t0: float, say) -> None:

@@ -97,16 +97,23 @@ def embedding_stored_apart(details: dict, tied: bool, runtime: str) -> bool:
     return False
 
 
-def weight_bytes_per_token(artifact_bytes: int, config: Any, details: dict, runtime: str, tied: bool) -> int:
-    """Weights a decoded token reads: the artifact minus the embedding table when it is stored apart
-    from lm_head (an estimate from the artifact's size, not a per-tensor reading)."""
+def _table_bytes(config: Any, details: dict) -> int:
+    """The embedding table's bytes at the precision the export stored it in (0: shape unknown)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = int(getattr(cfg, "vocab_size", 0) or 0)
     hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0)
-    if not embedding_stored_apart(details, tied, runtime) or not vocab or not hidden:
-        return int(artifact_bytes)
+    if not vocab or not hidden:
+        return 0
     scheme = (details.get("quantization") or {}).get("embedding")
-    table = vocab * hidden * _bytes_per_elem(scheme if isinstance(scheme, str) else None, hidden)
+    return int(vocab * hidden * _bytes_per_elem(scheme if isinstance(scheme, str) else None, hidden))
+
+
+def weight_bytes_per_token(artifact_bytes: int, config: Any, details: dict, runtime: str, tied: bool) -> int:
+    """Weights a decoded token reads: the artifact minus the embedding table when it is stored apart
+    from lm_head (an estimate from the artifact's size, not a per-tensor reading)."""
+    table = _table_bytes(config, details)
+    if not embedding_stored_apart(details, tied, runtime) or not table:
+        return int(artifact_bytes)
     return int(max(artifact_bytes - table, artifact_bytes * 0.05))
 
 
@@ -115,9 +122,15 @@ def packed_copy_bytes(artifact_bytes: int, config: Any, details: dict, runtime: 
     (:func:`optimize.memory.predicted_peak`): XNNPACK packs every delegated weight into its own
     layout (a .pte's weights read per token, again); ONNX Runtime replaces prepacked initializers but
     gives a tied fp32 table a transposed copy for lm_head. Measured: within 2% for a .pte (tiny
-    Llama), about 6% for SmolLM2-135M fp32 in ONNX Runtime (docs/devices.md)."""
+    Llama), about 6% for SmolLM2-135M fp32 in ONNX Runtime (docs/devices.md); a table stored once in
+    ExecuTorch's model.ptd counts once more here, as the table stored twice did in the artifact."""
     if runtime == "executorch":
-        return weight_bytes_per_token(artifact_bytes, config, details, runtime, tied)
+        packed = weight_bytes_per_token(artifact_bytes, config, details, runtime, tied)
+        if tied and ((details.get("weights") or {}).get("tied_embedding") or "").startswith("stored once"):
+            # the table stored once in model.ptd saves storage, not memory: the lookup keeps its own
+            # copy (measured: the same peak as the single .pte with the table twice, docs/devices.md)
+            packed += _table_bytes(config, details)
+        return packed
     if runtime.startswith("onnxruntime") and tied:
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         scheme = (details.get("quantization") or {}).get("embedding") or "fp32"

@@ -172,3 +172,16 @@ def get_stage(kind: str) -> StageSpec:
     if kind not in stages:
         raise KeyError(f"unknown stage kind {kind!r}; registered: {', '.join(stages)}")
     return stages[kind]
+
+
+def restorers(stage_cfgs) -> list[Callable[[torch.nn.Module], None]]:
+    """What rebuilds a checkpointed model after ``stage_cfgs`` (each stage's ``restore``, in order):
+    a stage that changed the model's layout (an RMSNorm rewrite, fake-quantized layers) says how its
+    saved state dict is loaded back. Used by every reader of stage checkpoints: the pipeline's resume
+    and ``optimize fit``'s measurement after finished stages."""
+    out = []
+    for stage_cfg in stage_cfgs:
+        spec = get_stage(stage_cfg.kind)
+        if spec.restore is not None:
+            out.append(lambda m, s=spec, c=stage_cfg: s.restore(m, c))
+    return out

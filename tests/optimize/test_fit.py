@@ -12,15 +12,11 @@ import json
 import pytest
 
 from optimize.fit import FitRefused, fit
-from targets.devices import DEVICE_DIR
+from device_files import device_file
 
 
 def _device(tmp_path, **over) -> str:
-    data = yaml.safe_load((DEVICE_DIR / "raspberry-pi-5.yaml").read_text())
-    data.update(name="tiny-board", **over)
-    path = tmp_path / "board.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return device_file(tmp_path, **over)
 
 
 def test_fit_prices_recipes_and_writes_the_winner(tiny_cfg, tmp_path):
@@ -46,6 +42,8 @@ def test_fit_prices_recipes_and_writes_the_winner(tiny_cfg, tmp_path):
     hidden = tiny_cfg["model"]["config"]["hidden_size"]
     assert int8_all.artifact_bytes - int8_once.artifact_bytes == pytest.approx(table * (1 + 5 / hidden), rel=1e-3)
     assert int8_once.weight_bytes_per_token == int8_all.weight_bytes_per_token
+    # storage, not memory: the lookup keeps its own copy (measured, tests/optimize/test_memory.py)
+    assert int8_once.memory_bytes == int8_all.memory_bytes and once.memory_bytes == fp32.memory_bytes
     assert not [r for r in res.rows if r.weights == "external" and (r.embedding == "int4" or r.lm_head == "fp32"
                                                                       and r.embedding is not None)]
     # per layer type: int8 attention beside an int4 MLP sits between all-int8 and all-int4
@@ -146,6 +144,8 @@ def test_the_api_is_quiet_and_the_log_keeps_the_measurement(tiny_cfg, tmp_path, 
 
 @pytest.mark.parametrize("kw, message", [({"windows": -1}, "windows must be >= 0"),
                                          ({"finalists": 0}, "finalists >= 1"),
+                                         ({"export_finalists": -1}, "export_finalists >= 0"),
+                                         ({"export_finalists": 1, "windows": 0}, "export_finalists needs windows > 0"),
                                          ({"target": "onnxruntime"}, "target 'onnxruntime' is not priced")])
 def test_bad_fit_arguments_are_refused(tiny_cfg, tmp_path, kw, message):
     path = tmp_path / "p.yaml"

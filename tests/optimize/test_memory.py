@@ -119,3 +119,41 @@ def test_a_child_that_fails_says_why(tmp_path):
     bad.write_bytes(b"not onnx")
     fp = footprint(bad, OnnxRuntimeExporter(), None, artifact_bytes=8, max_seq_len=16)
     assert fp.peak_rss_bytes is None and fp.error and "without figures" in fp.error
+
+
+@pytest.mark.slow
+def test_a_table_stored_once_saves_storage_not_memory(tmp_path):
+    """8da8w with an int8 table, tied, as one .pte and with ``weights: external`` (model.ptd holds the
+    table once): the artifact shrinks by the table, the measured peak does not, and the memory
+    model (the table counted once more for the lookup, optimize.predict.packed_copy_bytes) follows the
+    measurement. A wide table (49152 x 256, int8 12 MiB) so that its copy shows over the noise."""
+    from export.executorch.exporter import ExecuTorchExporter
+    from optimize.predict import packed_copy_bytes
+    from tests.export.conftest import TINY_LLAMA
+    from train.sources import RandomSource, load_model
+
+    tiny = load_model(RandomSource(config=dict(TINY_LLAMA, hidden_size=256, intermediate_size=512,
+                                               num_attention_heads=4, num_key_value_heads=2), seed=0))
+    exporter = ExecuTorchExporter()
+    table = 49152 * 256 * (1 + 5 / 256)  # int8 rows and their scales
+    got = {}
+    for weights in ("embedded", "external"):
+        res = exporter.export(tiny.model, tiny.tokenizer, tmp_path / weights,
+                              {"max_seq_len": 256, "quantize": "8da8w", "embedding_quantize": "int8",
+                               "weights": weights}, log=lambda *a: None)
+        runner = exporter.load(res.artifact)
+        size = runner.size_bytes()
+        packed = packed_copy_bytes(size, tiny.model.config, res.details, "executorch", tied=True)
+        fp = footprint(res.artifact, exporter, tiny.model.config, artifact_bytes=size, max_seq_len=256,
+                       packed_bytes=packed)
+        _check(fp, size, f"8da8w + int8 table, {weights}", model_tol=0.35)
+        got[weights] = size, packed, fp
+    (one, packed_one, fp_one), (ext, packed_ext, fp_ext) = got["embedded"], got["external"]
+    assert one - ext == pytest.approx(table, rel=0.02)  # the table stored once
+    assert packed_ext - packed_one == pytest.approx(table, rel=0.02)  # ... and counted once more in memory
+    assert fp_ext.predicted_peak_rss_bytes - fp_ext.interpreter_rss_bytes == pytest.approx(
+        fp_one.predicted_peak_rss_bytes - fp_one.interpreter_rss_bytes, rel=0.01)
+    # measured: the peak does not drop with the storage (within 10% of the single .pte's model part,
+    # where the table is about a third of it)
+    assert fp_ext.model_rss_bytes == pytest.approx(fp_one.model_rss_bytes, rel=0.10)
+    assert fp_ext.model_rss_bytes > fp_one.model_rss_bytes - 0.5 * table

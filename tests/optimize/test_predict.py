@@ -14,17 +14,14 @@ from optimize.config import load_config
 from optimize.errors import ConfigError
 from optimize.memory import MemoryFootprint
 from optimize.predict import device_gates, predict, weight_bytes_per_token
-from targets.devices import DEVICE_DIR, load_device
+from device_files import device_file
+from targets.devices import load_device
 
 MIB = 2**20
 
 
 def _fake_device(tmp_path, **over) -> str:
-    data = yaml.safe_load((DEVICE_DIR / "pixel-8.yaml").read_text())
-    data.update(name="fake-device", **over)
-    path = tmp_path / "fake-device.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+    return device_file(tmp_path, "pixel-8", "fake-device", **over)
 
 
 class _Cfg:  # the config fields the KV and embedding arithmetic read
