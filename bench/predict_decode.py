@@ -74,7 +74,7 @@ def remeasure(rows: list, rounds: int) -> None:
 
 
 def main(argv=None) -> int:
-    from optimize.predict import DevicePrediction, predict_from_another
+    from optimize.predict import DevicePrediction, nearest_source, precision_overlap, predict_from_another
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", type=Path)
@@ -102,9 +102,29 @@ def main(argv=None) -> int:
                              for k in ("fp32", "8da8w", "8da4w"))
             lines.append(f"| {sname} | {tname} | {src.host_fraction_of_ceiling:.3f} | {mib}, + "
                          f"{(dst.kv_bytes_per_token or 0) / 2**20:.1f} | {pred:.1f} | {measured:.1f} | {ratio:.3f} |")
+    # what a user with several measured recipes does: predict from the one whose precisions are most alike
+    near = ["", "Each target predicted from its nearest source (optimize.predict.nearest_source: the most alike "
+            "precision mix):", "", "| target | nearest source | precision overlap | predicted tok/s | measured tok/s "
+            "| predicted / measured |", "|---|---|---:|---:|---:|---:|"]
+    nearest = []
+    preds = {name: DevicePrediction.model_validate(d) for name, d, _ in rows}
+    for tname, dst in preds.items():
+        others = {n: p for n, p in preds.items() if n != tname}
+        src = nearest_source(dst, list(others.values()))
+        sname = next(n for n, p in others.items() if p is src)
+        pair = next(p for p in pairs if p["source"] == sname and p["target"] == tname)
+        nearest.append({**pair, "overlap": precision_overlap(src, dst)})
+        near.append(f"| {tname} | {sname} | {precision_overlap(src, dst):.2f} | {pair['predicted']:.1f} | "
+                    f"{pair['measured']:.1f} | {pair['ratio']:.3f} |")
+
+    def worst(ps):
+        return max(abs(p["ratio"] - 1) for p in ps if p["ratio"]) * 100
+
+    near += ["", f"worst |predicted / measured - 1|: every pair {worst(pairs):.1f}%, nearest source {worst(nearest):.1f}%"]
     where = f"measured here, median of {args.rounds} round-robin rounds" if args.rounds else "the reports' own"
     return print_results(f"decode predicted from another recipe's host efficiency (bandwidth model; decode rates: "
-                         f"{where})", "\n".join(lines), {"pairs": pairs, "rounds": args.rounds}, args.json)
+                         f"{where})", "\n".join(lines + near), {"pairs": pairs, "nearest": nearest,
+                                                                "rounds": args.rounds}, args.json)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,10 @@ class FitResult:
             rt = r.runtime
             ran = (f"{rt['artifact_bytes'] / MIB:.1f} · {rt['perplexity']:.3f} ({rt['perplexity_delta_pct']:+.2f}%) · "
                    f"{rt['host_decode_tok_s']:.1f} · {rt['predicted_decode_tok_s']}" if rt else "–")
+            if rt is None and r.predicted_decode:
+                pd = r.predicted_decode
+                ran = (f"not exported: host {pd['host_decode_tok_s']} · device {pd['predicted_decode_tok_s']} tok/s "
+                       f"PREDICTED from {pd['source']}'s measured efficiency")
             lines.append(f"| {r.label(self.several_lengths)}{mark} | {r.artifact_bytes / MIB:.1f} | {r.memory_bytes / MIB:.1f} | "
                          f"{r.decode_ceiling_tok_s:.1f} | {r.quality_penalty:.3f} | {ppl} | {ran} | "
                          f"{'yes' if r.fits else 'no: ' + r.why_not} | {'yes' if r.pareto else ''} |")
@@ -240,7 +244,7 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     if export_finalists and quality and fitting:
         with contextlib.nullcontext() if progress else LogOutput(out / "fit.log"):
             quality["runtime"] = _export_best(sources, fitting, export_finalists, device, out, quality, lengths[-1],
-                                              budgets, log)
+                                              budgets, log, config)
         fitting = [r for r in fitting if r.fits]
     winner = min(fitting, key=_rank) if fitting else None
     result = FitResult(device=device.name, max_seq_len=n, rows=rows, winner=winner, paths={}, quality=quality,
@@ -317,11 +321,12 @@ def _measure(chosen: list[Priced], sources: dict, out: Path, seq_len: int, windo
 
 
 def _export_best(sources: dict, fitting: list[Priced], k: int, device, out: Path, quality: dict, seq_len: int,
-                 budgets: dict, log) -> dict:
+                 budgets: dict, log, config) -> dict:
     """Export the best ``k`` distinct quantizations of ``fitting`` (optimize.fit_export), each from
     its depth's model in ``sources``, and hold their runtime figures to the budgets: the runtime
-    perplexity, the decode PREDICTED from the measured one."""
-    from optimize import fit_export
+    perplexity, the decode PREDICTED from the measured one. The other measured recipes get a decode
+    PREDICTED from the nearest exported one (shown, not gated: no runtime measured them)."""
+    from optimize import fit_depth, fit_export
 
     best: dict[tuple, Priced] = {}
     for r in sorted(fitting, key=_rank):
@@ -335,6 +340,10 @@ def _export_best(sources: dict, fitting: list[Priced], k: int, device, out: Path
                                                windows=quality["windows"], seq_len=seq_len,
                                                baseline=quality["baseline_perplexity"], after=dirs, log=log)
     info["exported"] = len(best)
+    for r in fitting:
+        if r.runtime is None and r.measured:
+            r.predicted_decode = fit_export.predict_from_nearest(r, list(best.values()), device,
+                                                                 fit_depth.pruned_config(config, r.depth))
     limit, floor = budgets["max_ppl_pct"], budgets["decode_tok_s"]
     for r in best.values():
         delta, rate = r.runtime["perplexity_delta_pct"], r.runtime["predicted_decode_tok_s"]

@@ -31,7 +31,7 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
     from optimize import fit_stages
     from optimize.checks.accuracy import eval_windows, evaluate
     from optimize.checks.latency import measure_latency
-    from optimize.predict import predict, weight_bytes_per_token
+    from optimize.predict import bytes_by_scheme, predict, weight_bytes_per_token
     from targets.devices import host_bandwidth
     from train.corpus import split_data
 
@@ -63,7 +63,11 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
                        "perplexity_delta_pct": round(100.0 * (ppl / baseline - 1.0), 3) if math.isfinite(ppl)
                        else math.inf, "host_decode_tok_s": round(speed["decode_tok_s"], 2),
                        "predicted_decode_tok_s": pred.predicted_decode_tok_s,
-                       "predicted_decode_tok_s_at_max_seq_len": pred.predicted_decode_tok_s_at_max_seq_len}
+                       "predicted_decode_tok_s_at_max_seq_len": pred.predicted_decode_tok_s_at_max_seq_len,
+                       # what predicts the recipes that were not exported (predict_from_nearest)
+                       "host_fraction_of_ceiling": pred.host_fraction_of_ceiling,
+                       "host_bandwidth_gb_s": pred.host_bandwidth_gb_s, "context_tokens": pred.context_tokens,
+                       "weight_bytes_by_scheme": bytes_by_scheme(model.config, res.details)}
         log(f"fit: exported {i + 1}/{len(rows)} {row.label()}: {size / 2**20:.1f} MiB, perplexity {ppl:.3f} in "
             f"ExecuTorch, host decode {speed['decode_tok_s']:.1f} tok/s, {pred.predicted_decode_tok_s} tok/s "
             f"PREDICTED on {device.name}")
@@ -71,4 +75,33 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
             "method": "ExecuTorch (XNNPACK) runtime, the recipe exported as fit.yaml would export it"}
 
 
-__all__ = ["export_finalists"]
+def predict_from_nearest(row: Any, exported: Sequence[Any], device: Any, config: Any) -> dict | None:
+    """Decode of a measured recipe that was not exported, PREDICTED from the exported recipe whose
+    bytes are read at the most alike precisions (:func:`optimize.predict.nearest_source`): that
+    recipe's measured fraction of the host's bandwidth ceiling, over this recipe's bytes per token,
+    on the host and on ``device``. ``config``: the model's (pruned to the row's depth). None where no
+    exported recipe has the figures."""
+    from optimize.memory import kv_cache_bytes
+    from optimize.predict import DevicePrediction, nearest_source, precision_overlap
+
+    common = dict(device=device.name, kind=device.kind, usable_memory_bytes=device.usable_bytes,
+                  storage_bytes=device.storage_bytes, device_bandwidth_gb_s=device.bandwidth.practical_gb_s)
+    sources = {id(r): DevicePrediction(**common, host_fraction_of_ceiling=r.runtime.get("host_fraction_of_ceiling"),
+                                       weight_bytes_by_scheme=r.runtime.get("weight_bytes_by_scheme"))
+               for r in exported if r.runtime}
+    target = DevicePrediction(**common, weight_bytes_by_scheme=row.weight_bytes_by_scheme)
+    src = nearest_source(target, list(sources.values()))
+    if src is None:
+        return None
+    origin = next(r for r in exported if r.runtime and sources[id(r)] is src)
+    frac = min(src.host_fraction_of_ceiling, 1.0)
+    context = origin.runtime.get("context_tokens") or 0
+    bpt = row.weight_bytes_per_token + kv_cache_bytes(config, context, positions=context)
+    host_bw = origin.runtime.get("host_bandwidth_gb_s")
+    return {"source": origin.label(), "precision_overlap": precision_overlap(src, target),
+            "host_fraction_of_ceiling": src.host_fraction_of_ceiling, "context_tokens": context,
+            "host_decode_tok_s": round(frac * host_bw * 1e9 / bpt, 2) if host_bw else None,
+            "predicted_decode_tok_s": round(frac * device.bandwidth.practical_gb_s * 1e9 / bpt, 2)}
+
+
+__all__ = ["export_finalists", "predict_from_nearest"]

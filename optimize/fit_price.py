@@ -71,6 +71,12 @@ class Priced:
     perplexity_delta_pct: float | None = None
     #: exported and measured in ExecuTorch (optimize.fit_export, --export-finalists); None where not
     runtime: dict | None = None
+    #: the Linear bytes a token reads by the scheme that computes them (fp32 / 8da8w / 8da4w), as an
+    #: export row records them: what optimize.predict.nearest_source compares
+    weight_bytes_by_scheme: dict[str, int] | None = None
+    #: measured but not exported: decode PREDICTED from the nearest exported recipe's measured
+    #: efficiency (optimize.fit_export.predict_from_nearest); None where not
+    predicted_decode: dict | None = None
 
     @property
     def measured(self) -> bool:
@@ -157,9 +163,12 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
     body, head_p, emb_p = _precisions(scheme, group_size, lm_head, embedding)
     att_p = {"same": body, "8da8w": "int8", "fp32": "fp32"}[attention]
     per_token = penalty = 0.0
+    by_scheme: dict[str, float] = {}
     for name, (o, i) in linears.items():
         p = head_p if name == head else att_p if is_attention(name) else body
         per_token += _bytes(o, i, p)
+        key = {"fp32": "fp32", "int8": "8da8w"}.get(p, "8da4w")
+        by_scheme[key] = by_scheme.get(key, 0.0) + _bytes(o, i, p)
         penalty += (3.0 if name == head and p.startswith("int4") else 1.0) * _PENALTY[p] * o * i
     table = _bytes(vocab, hidden, emb_p)
     penalty += 0.25 * _PENALTY[emb_p] * vocab * hidden
@@ -178,7 +187,8 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
                   embedding=embedding, artifact_bytes=int(artifact), weight_bytes_per_token=int(per_token),
                   kv_cache_bytes=int(kv), memory_bytes=int(memory), decode_ceiling_tok_s=round(ceiling, 2),
                   quality_penalty=round(penalty / params + DEPTH_PENALTY * dropped, 4), max_seq_len=max_seq_len,
-                  weights=weights, attention=attention, depth=depth)
+                  weights=weights, attention=attention, depth=depth,
+                  weight_bytes_by_scheme={k: int(v) for k, v in by_scheme.items()})
 
 
 def candidates(hidden_widths: list[int], tied: bool = False) -> list[dict]:

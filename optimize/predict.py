@@ -221,6 +221,30 @@ def predict_from_another(source: DevicePrediction, target: DevicePrediction) -> 
     bpt = target.weight_bytes_per_token + (target.kv_bytes_per_token or 0)
     return round(min(frac, 1.0) * bw * 1e9 / bpt, 2)
 
+
+
+def precision_overlap(a: DevicePrediction, b: DevicePrediction) -> float | None:
+    """How alike two recipes' Linear bytes per token are in the kernels that read them: the sum over
+    precisions of the smaller share (1: the same mix, 0: nothing in common). None where either lacks
+    ``weight_bytes_by_scheme``."""
+    ma, mb = a.weight_bytes_by_scheme, b.weight_bytes_by_scheme
+    if not ma or not mb or not sum(ma.values()) or not sum(mb.values()):
+        return None
+    ta, tb = sum(ma.values()), sum(mb.values())
+    return round(sum(min(ma.get(k, 0) / ta, mb.get(k, 0) / tb) for k in set(ma) | set(mb)), 4)
+
+
+def nearest_source(target: DevicePrediction, sources: list[DevicePrediction]) -> DevicePrediction | None:
+    """Of the ``sources`` with a measured fraction of the ceiling, the one whose bytes per token are read
+    at the most similar precisions (:func:`precision_overlap`; the first on a tie). The fraction is
+    the kernels' efficiency, and it differs by precision (on a 2-core Zen 4 an int4 body reaches
+    0.75-0.78 of the ceiling, int8 with an fp32 head 0.84-0.90): predicting from the most alike recipe
+    brought the worst error from 15.7-17.7% to 8.5-10.1% (bench/predict_decode.py)."""
+    measured = [s for s in sources if s.host_fraction_of_ceiling is not None]
+    if not measured:
+        return None
+    return max(measured, key=lambda s: precision_overlap(s, target) or 0.0)
+
 # ---- gates ------------------------------------------------------------------------------------
 
 

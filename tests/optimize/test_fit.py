@@ -199,7 +199,31 @@ def test_the_best_finalists_are_exported_and_measured_in_the_runtime(tiny_cfg, t
         assert rt["host_decode_tok_s"] > 0 and rt["predicted_decode_tok_s"] > 0
         assert abs(rt["perplexity"] / r.perplexity - 1) < 0.1  # XNNPACK's kernels against torchao's reference
     assert sum("fit: exported" in m for m in lines) == 2
+    # the third finalist was not exported: its decode is PREDICTED from the exported recipe whose bytes
+    # are read at the most alike precisions, with that recipe's measured fraction of the ceiling
+    from optimize.predict import DevicePrediction, precision_overlap
+
+    def mix(weights):
+        return DevicePrediction(device="d", kind="host", usable_memory_bytes=1, storage_bytes=1,
+                                device_bandwidth_gb_s=1.0, weight_bytes_by_scheme=weights)
+
+    for r in exported:  # the priced split against the exported graph's record: the same schemes; the
+        # record counts 4 bytes of scale per group of 32, the price 5 per group at the recipe's size
+        assert r.runtime["weight_bytes_by_scheme"].keys() == r.weight_bytes_by_scheme.keys()
+        for k, v in r.weight_bytes_by_scheme.items():
+            assert r.runtime["weight_bytes_by_scheme"][k] == pytest.approx(v, rel=0.06), k
+    other = [r for r in res.rows if r.measured and r.runtime is None and r.fits]
+    assert other and all(r.predicted_decode for r in other)
+    for r in other:
+        pd = r.predicted_decode
+        src = next(e for e in exported if e.label() == pd["source"])
+        assert pd["host_fraction_of_ceiling"] == src.runtime["host_fraction_of_ceiling"]
+        overlaps = [precision_overlap(mix(e.runtime["weight_bytes_by_scheme"]), mix(r.weight_bytes_by_scheme))
+                    for e in exported]
+        assert pd["precision_overlap"] == max(overlaps)
+        assert pd["predicted_decode_tok_s"] > 0 and pd["host_decode_tok_s"] > 0
     assert "ExecuTorch perplexity" in (tmp_path / "fit" / "fit.md").read_text()
+    assert "PREDICTED from" in (tmp_path / "fit" / "fit.md").read_text()
     assert "exported:" in (tmp_path / "fit" / "fit.yaml").read_text()
     with pytest.raises(ValueError, match="export_finalists needs windows > 0"):
         fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit2", windows=0, export_finalists=1)

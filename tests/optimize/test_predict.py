@@ -178,6 +178,32 @@ def test_one_recipes_efficiency_predicts_anothers_decode():
     assert predict_from_another(dst, src) is None  # the source has no measured fraction
 
 
+def test_the_nearest_source_is_the_most_alike_precision_mix():
+    """The bench's three SmolLM2 recipes (MiB per token by precision): the demo (int4 body, int8 head)
+    is nearest to the int4 body with an fp32 head, not to the int8 one; a source without a measured
+    fraction is never chosen; without the split there is no overlap."""
+    from optimize.predict import DevicePrediction, nearest_source, precision_overlap
+
+    common = dict(device="host", kind="host", usable_memory_bytes=2**33, storage_bytes=2**35, device_bandwidth_gb_s=10.0)
+
+    def recipe(fraction=None, **mib):
+        return DevicePrediction(**common, host_fraction_of_ceiling=fraction,
+                                weight_bytes_by_scheme={k: v * 2**20 for k, v in mib.items()})
+
+    demo = recipe(**{"8da8w": 27, "8da4w": 63})
+    int8 = recipe(0.90, fp32=108, **{"8da8w": 102})
+    int4 = recipe(0.78, fp32=108, **{"8da4w": 63})
+    assert precision_overlap(demo, demo) == 1.0 and precision_overlap(demo, int8) == pytest.approx(0.3, abs=1e-3)
+    assert precision_overlap(demo, int4) == pytest.approx(63 / 171, abs=1e-3)
+    assert precision_overlap(int4, int8) == pytest.approx(108 / 210, abs=1e-3)  # both fp32 heads
+    assert nearest_source(demo, [int8, int4]) is int4 and nearest_source(int4, [demo, int8]) is int8
+    measured_demo = recipe(0.75, **{"8da8w": 27, "8da4w": 63})
+    twin = recipe(None, fp32=108, **{"8da8w": 102})  # the same mix, but not measured: never the source
+    assert nearest_source(int8, [measured_demo, twin]) is measured_demo
+    assert nearest_source(demo, [recipe(None, fp32=1)]) is None
+    assert precision_overlap(demo, DevicePrediction(**common)) is None
+
+
 def test_bytes_by_scheme_reads_the_exported_graph_record(tiny_llama_config):
     """The majority scheme for every Linear not listed under another scheme; int8 and int4 at their
     scale overheads, fp32 at 4 bytes a weight; a row without the graph record (another runtime) has
