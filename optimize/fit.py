@@ -85,6 +85,7 @@ class FitResult:
         lens = self.max_seq_lens or [self.max_seq_len]
         if self.depths:
             healed = ", ".join(f"{d} blocks: fp32 {v['fp32_perplexity']:.3f} after a {self.heal_steps}-step heal"
+                               if self.heal_steps else f"{d} blocks: fp32 {v['fp32_perplexity']:.3f}, not healed"
                                for d, v in (q.get("depths") or {}).items())
             measured += (f"; depth-pruned recipes measured on the healed model against the unpruned fp32"
                          + (f" ({healed})" if healed else " (no depth was a finalist: none healed)"))
@@ -281,8 +282,9 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
                   "run it to measure in the runtime\n"
                   + (f"# quantizing stages dropped (the exporter quantizes instead): {', '.join(dropped)}\n"
                      if dropped else "")
-                  + (f"# depth {winner.depth} of {blocks} blocks: prune (ShortGPT block influence) and a "
-                     f"{heal_steps}-step distillation heal added first\n" if winner.depth is not None else ""))
+                  + (f"# depth {winner.depth} of {blocks} blocks: prune (ShortGPT block influence) and "
+                     + (f"a {heal_steps}-step distillation heal" if heal_steps else "no heal (--heal-steps 0)")
+                     + " added first\n" if winner.depth is not None else ""))
         result.paths["yaml"] = str(atomic_write_text(out / "fit.yaml", header + yaml.safe_dump(data, sort_keys=False)))
         # fit.yaml's run resumes after the stages the YAML's run finished instead of redoing them
         linked = fit_stages.link_into(load_config(out / "fit.yaml", check_model=False), sources.get(winner.depth, (None, []))[1])

@@ -111,6 +111,21 @@ def test_a_depth_wins_when_only_it_meets_the_decode_budget(tiny_cfg, tiny_config
     assert "resuming: all 2 stages finished in an earlier run" in log
 
 
+def test_heal_steps_0_prunes_without_a_heal(tiny_cfg, tiny_config, tmp_path):
+    """--heal-steps 0: the depth's run and fit.yaml have the prune stage alone, and say so."""
+    tiny_cfg["model"]["config"] = tiny_config("mistral", num_hidden_layers=4)
+    path = _yaml(tmp_path, tiny_cfg)
+    priced = fit(path, "raspberry-pi-5", out_dir=tmp_path / "priced", windows=0, depths=[3])
+    floor = 1.01 * max(r.decode_ceiling_tok_s for r in priced.rows if r.depth is None)
+    res = fit(path, "raspberry-pi-5", out_dir=tmp_path / "fit", windows=1, finalists=1, depths=[3], heal_steps=0,
+              decode_tok_s=floor)
+    assert res.winner.depth == 3 and [p.split("-")[1] for p in res.quality["depths"][3]["stages"]] == ["prune"]
+    assert [s.kind for s in load_config(tmp_path / "fit" / "fit.yaml").stages] == ["prune"]
+    assert "no heal (--heal-steps 0)" in (tmp_path / "fit" / "fit.yaml").read_text()
+    assert "3 blocks: fp32" in (tmp_path / "fit" / "fit.md").read_text() and "not healed" in (
+        tmp_path / "fit" / "fit.md").read_text()
+
+
 @pytest.mark.slow
 def test_fit_yaml_of_a_depth_winner_resumes_after_the_heal_and_exports(tiny_cfg, tiny_config, tmp_path):
     """`optimize pipeline fit.yaml` on a depth winner: the prune and heal rows are resumed (with the
