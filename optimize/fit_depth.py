@@ -111,6 +111,7 @@ def heal(cfg: Any, depth: int, heal_steps: int, out_dir: Path, *, progress: bool
     """Run the prune and heal stages, then the YAML's kept stages, on ``cfg``'s model (no export,
     every gate warning) in ``out_dir``; resumes what an earlier fit finished there."""
     from optimize import checkpoints as ckpt
+    from optimize import fit_stages
     from optimize.config import dump_config, load_config
     from optimize.pipeline import run_pipeline
 
@@ -119,14 +120,14 @@ def heal(cfg: Any, depth: int, heal_steps: int, out_dir: Path, *, progress: bool
     for s in stages:  # judged on the quantized result by fit, and by fit.yaml's own run
         s["gates"] = {**(s.get("gates") or {}), "on_fail": "warn"}
     data.update(stages=stages, target=None, device_profile=None,
-                gates={**(data.get("gates") or {}), "on_fail": "warn"}, name=f"{cfg.name}-depth-{depth}")
+                gates={**(data.get("gates") or {}), "on_fail": "warn"}, name=f"{cfg.name}-depth-{depth}",
+                output_dir=str(out_dir))
     heal_cfg = load_config(data, check_model=False)
-    report = run_pipeline(heal_cfg, output_dir=out_dir, progress=progress)
+    report = run_pipeline(heal_cfg, progress=progress)
     if not report.ok:
         raise RuntimeError(f"depth {depth}: the prune/heal run stopped at {report.stopped_at} "
                            f"(report in {out_dir}/report.md)")
-    dump = dump_config(heal_cfg)
-    dirs = [ckpt.stage_dir(out_dir, i, s.kind, ckpt.prefix_hash(dump, i)) for i, s in enumerate(heal_cfg.stages)]
+    dirs = fit_stages.stage_dirs(heal_cfg, len(heal_cfg.stages))
     missing = [p.name for p in dirs if not ckpt.is_complete(p)]
     if missing:
         raise RuntimeError(f"depth {depth}: the prune/heal run finished without checkpoints {missing}")
