@@ -76,6 +76,20 @@ ROWS = [
     Row("8da4w g32 AWQ+GPTQ, budget decode +10%", "executorch",
         [AWQ, {"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], "max_decode_slowdown_pct": 10, **GPTQ}],
         ET, "sensitive groups promoted to 8da8w automatically while the estimated decode cost stays within +10%"),
+    # ---- the source's own 4-bit grid (the bundled model is a GGUF Q4_1 conversion): issue 28's recipes
+    Row("8da4w g32 source grid, lm_head 8da8w", "executorch",
+        [{"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], "int8_modules": ["lm_head"],
+          "source_grid": True}], ET,
+        "the 210 decoder Linears keep the GGUF's Q4_1 grid exactly (int4 + per-group offset path); lm_head RTN int8"),
+    Row("8da4w g32 source grid, all Linear (lm_head GPTQ)", "executorch",
+        [{"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], "source_grid": True,
+          "algorithm": "gptq", "gptq": {"scale_init": "output_mse", "calibration_windows": 32}}], ET,
+        "all-4-bit: the grid kept, the lm_head (8-bit in the GGUF) GPTQ'd to int4", calib_windows=32),
+    Row("ORT int4 source grid, all Linear, tied embedding", "onnxruntime",
+        [{"kind": "ptq_int8", "scheme": "8da4w", "keep_high_precision": [], "source_grid": True,
+          "algorithm": "gptq", "gptq": {"scale_init": "output_mse", "calibration_windows": 32},
+          "quantize_embedding": "tied"}], {"accuracy_level": 4},
+        "examples/smollm2_onnx_int4.yaml: MatMulNBits + offset MatMul on the group sums; table shared", calib_windows=32),
     # ---- ExecuTorch, 8-bit
     Row("8da8w RTN, lm_head fp32", "executorch", [{"kind": "ptq_int8", "scheme": "8da8w"}], ET),
     # ---- ONNX Runtime, W8A8

@@ -37,8 +37,13 @@ def module_schemes(model: torch.nn.Module) -> dict[str, str]:
 
 
 def quantization_mix(model: torch.nn.Module) -> dict[str, int]:
-    """How many nn.Linear layers hold each scheme (for the report and the manifest)."""
-    return dict(Counter(module_schemes(model).values()))
+    """How many nn.Linear layers hold each scheme (for the report and the manifest); the small
+    offset Linears of a kept source grid (:class:`~export.group_offset.GroupOffsetLinear`) are
+    counted apart, as ``offset <scheme>``."""
+    from export.group_offset import GroupOffsetLinear
+
+    offsets = {f"{n}.offset" for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear)}
+    return dict(Counter(f"offset {s}" if n in offsets else s for n, s in module_schemes(model).items()))
 
 
 def check_mix(eager: dict[str, str], graph: dict[str, str]) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from export.group_offset import GroupOffsetLinear
+
 #: attribute under which a member holds the shared Linear (module paths end in it; the scheme
 #: check strips it to name the member)
 FUSED_ATTR = "fused_projection"
@@ -34,7 +36,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class ProjectionSlice(nn.Module):
     """One member of a fused projection: the shared Linear's output columns ``[start, end)``."""
 
-    def __init__(self, fused: nn.Linear, start: int, end: int):
+    def __init__(self, fused: nn.Module, start: int, end: int):
         super().__init__()
         setattr(self, FUSED_ATTR, fused)
         self.start, self.end = int(start), int(end)
@@ -73,15 +75,14 @@ def _concat_weights(weights: list[torch.Tensor]) -> torch.Tensor:
     )
 
 
-def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
-    members = [getattr(parent, n, None) for n in names]
-    if not all(type(m) is nn.Linear for m in members):
-        return False
-    if len({m.in_features for m in members}) != 1:
-        return False
+def _fused_linear(members: list[nn.Linear]) -> nn.Linear | None:
+    """One Linear whose output columns are the members' in order, or None where they cannot be
+    concatenated exactly (other input widths, other schemes)."""
+    if not all(type(m) is nn.Linear for m in members) or len({m.in_features for m in members}) != 1:
+        return None
     keys = {_scheme_key(m.weight) for m in members}
     if len(keys) != 1 or None in keys:
-        return False
+        return None
     weight = _concat_weights([m.weight for m in members])
     has_bias = [m.bias is not None for m in members]
     fused = nn.Linear(members[0].in_features, sum(m.out_features for m in members), bias=any(has_bias),
@@ -92,6 +93,45 @@ def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
         fused.bias = nn.Parameter(torch.cat([
             m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=dtype) for m in members
         ]), requires_grad=False)
+    return fused
+
+
+def _row_slice(w: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of a plain or torchao ``IntxUnpackedToInt8Tensor`` weight."""
+    if type(w) in (torch.Tensor, nn.Parameter):
+        return w.detach()[start:end]
+    return type(w)(w.qdata[start:end], w.scale[start:end], w.zero_point[start:end], w.target_dtype,
+                   list(w.block_size), w.dtype, w.activation_quantization)
+
+
+def _fused_offset(members: list[GroupOffsetLinear]) -> GroupOffsetLinear | None:
+    """Members that each carry a per-group offset path (a source grid kept exactly): their int4
+    rows stacked, followed by one copy of the group-sum rows, and their offset Linears stacked."""
+    first = members[0]
+    if len({(m.group_size, m.in_features) for m in members}) != 1:
+        return None
+    if len({_scheme_key(m.linear.weight) for m in members}) != 1 or _scheme_key(first.linear.weight) is None:
+        return None
+    offset = _fused_linear([m.offset for m in members])
+    if offset is None:
+        return None
+    weight = _concat_weights([_row_slice(m.linear.weight, 0, m.out_features) for m in members]
+                             + [_row_slice(first.linear.weight, first.out_features, first.out_features + first.groups)])
+    fused = GroupOffsetLinear(first.in_features, sum(m.out_features for m in members), first.group_size,
+                              offset.bias is not None, device="meta")
+    fused.linear.weight = nn.Parameter(weight, requires_grad=False)
+    fused.offset = offset
+    return fused
+
+
+def _fuse(parent: nn.Module, names: tuple[str, ...]) -> bool:
+    members = [getattr(parent, n, None) for n in names]
+    if all(type(m) is GroupOffsetLinear for m in members):
+        fused = _fused_offset(members)
+    else:
+        fused = _fused_linear(members)
+    if fused is None:
+        return False
     start = 0
     for name, m in zip(names, members):
         setattr(parent, name, ProjectionSlice(fused, start, start + m.out_features))
@@ -115,9 +155,9 @@ def fuse_projections(model: nn.Module) -> dict[str, Any]:
 
 
 def member_path(path: str) -> str:
-    """The member's own module path for a node traced inside its shared Linear."""
-    suffix = "." + FUSED_ATTR
-    return path[: -len(suffix)] if path.endswith(suffix) else path
+    """The member's own module path for a node traced inside its shared Linear (``q_proj.fused_projection``
+    -> ``q_proj``; inside a shared offset path, ``q_proj.fused_projection.linear`` -> ``q_proj.linear``)."""
+    return path.replace("." + FUSED_ATTR, "", 1)
 
 
 def _pure(target: Any) -> bool:

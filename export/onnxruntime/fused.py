@@ -131,6 +131,41 @@ def _nbits_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, acc: int, pre
                              K=k, N=n, bits=bq.bits, block_size=block, accuracy_level=acc)]
 
 
+def _offset_rows(plan: FusedPlan, pieces: list, bq: BlockQuant) -> torch.Tensor | None:
+    """The per-group offsets of the MatMul's rows (a kept source grid), zero rows for pieces
+    without one; None when no piece has an offset path."""
+    parts = [(plan.linears[mod].offset, plan.linears[mod].bq, sl) for mod, sl in pieces]
+    if all(o is None for o, _, _ in parts):
+        return None
+    groups = bq.shape[1] // next(o for o, _, _ in parts if o is not None).shape[1]
+    rows = []
+    for o, pbq, sl in parts:
+        o = torch.zeros(pbq.shape[0], bq.shape[1] // groups) if o is None else o
+        rows.append(o if sl is None else o[sl])
+    return torch.cat(rows)
+
+
+def _with_offset(gr: _Graph, node: onnx.NodeProto, nodes: list[onnx.NodeProto], offset: torch.Tensor,
+                 prefix: str) -> list[onnx.NodeProto]:
+    """``nodes`` (the quantized MatMul) plus a kept source grid's offset path: the sum of each
+    group of input columns times the group's offset, added to the MatMul's output."""
+    n, groups = offset.shape
+    x, y = node.input[0], node.output[0]
+    t = lambda s: f"{node.name}/offset/{s}"  # noqa: E731
+    shape = gr.add(np.array([0, 0, groups, -1], np.int64), prefix + ".offset_shape")
+    axes = gr.add(np.array([-1], np.int64), prefix + ".offset_axes")
+    r = gr.add(np.ascontiguousarray(offset.numpy().T, dtype=np.float32), prefix + ".offset")
+    main = nodes[-1]
+    main.output[0] = t("main")
+    mk = helper.make_node
+    return nodes + [
+        mk("Reshape", [x, shape], [t("grouped")], name=t("grouped")),
+        mk("ReduceSum", [t("grouped"), axes], [t("sums")], name=t("sums"), keepdims=0),
+        mk("MatMul", [t("sums"), r], [t("out")], name=t("matmul")),
+        mk("Add", [t("main"), t("out")], [y], name=t("add")),
+    ]
+
+
 def _per_token_consts(gr: _Graph) -> dict[str, str]:
     names = {"axes": np.array([-1], np.int64), "zero": np.array(0.0, np.float32), "qmax": np.array(255.0, np.float32),
              "eps": np.array(1e-12, np.float32)}
@@ -209,7 +244,10 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
         else:
             bq = cat_rows([plan.linears[mod].bq if sl is None else plan.linears[mod].bq.rows(sl.start, sl.stop)
                            for mod, sl in pieces])
-            if not np.array_equal(weight, bq.dequantize().numpy().T):
+            offset = _offset_rows(plan, pieces, bq)
+            full = bq.dequantize() if offset is None else bq.dequantize() + offset.repeat_interleave(
+                bq.shape[1] // offset.shape[1], dim=1)
+            if not np.array_equal(weight, full.numpy().T):
                 raise ExportError(f"onnxruntime exporter: the builder's weight for {node.name} is not the dequantized "
                                   f"integers of {[m for m, _ in pieces]}; refusing to install them")
         prefix = node.name[1:].replace("/", ".")
@@ -218,6 +256,11 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
                    else _per_token_nodes(gr, node, bq, prefix))
         except ValueError as exc:  # a layout ORT has no kernel for (e.g. a group size not a multiple of 16)
             raise ExportError(f"onnxruntime exporter: {[m for m, _ in pieces]}: {exc}") from None
+        if p0.bq is not None and offset is not None:
+            if p0.kernel != "nbits":
+                raise ExportError(f"onnxruntime exporter: {node.name}: an offset path needs the nbits kernel")
+            new = _with_offset(gr, node, new, offset, prefix)
+            installed["offset paths"] += 1
         gr.replace(node, new)
         installed[f"int{bq.bits} {p0.kernel}"] += 1
     missing = sorted(set(plan.linears) - seen)

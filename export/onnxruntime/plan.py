@@ -29,6 +29,9 @@ class LinearPlan:
     kernel: Kernel
     bq: BlockQuant | None
     accuracy_level: int = 4
+    #: a kept source grid's per-group offsets ``r`` [out, in / group] (float32), added to the
+    #: MatMul's output as ``sum over each group of x`` times ``r``; None for a plain Linear
+    offset: torch.Tensor | None = None
 
 
 @dataclass
@@ -50,7 +53,31 @@ class FusedPlan:
 
 
 def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    """The model's Linears by the name the builder's graph knows them by: a kept source grid's
+    :class:`~export.group_offset.GroupOffsetLinear` is named as the Linear it replaced and stands
+    for its int4 part (see :func:`_grid_parts`); its inner Linears are not listed."""
+    wrapped = _wrappers(model)
+    inner = {f"{n}.{part}" for n in wrapped for part in ("linear", "offset")}
+    out = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in inner}
+    return {**out, **{n: w.linear for n, w in wrapped.items()}}
+
+
+def _wrappers(model: torch.nn.Module) -> dict:
+    from export.group_offset import GroupOffsetLinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear)}
+
+
+def _dense(weight: torch.Tensor) -> torch.Tensor:
+    return (weight if type(weight) in (torch.Tensor, torch.nn.Parameter) else weight.dequantize()).detach().float()
+
+
+def _grid_parts(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each offset path's per-group offsets ``r`` [out, groups] (int8 de-quantized) and its bias.
+    The builder's graph sums the groups itself (ReduceSum), so the group-sum rows of the int4
+    weight are not shipped."""
+    return {n: (_dense(w.offset.weight), None if w.offset.bias is None else w.offset.bias.detach().float())
+            for n, w in _wrappers(model).items()}
 
 
 def _module_name(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:
@@ -66,6 +93,7 @@ def plan_model(model: torch.nn.Module, *, per_token_fp32: bool, quantize_lm_head
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     plan = FusedPlan(lm_head=_module_name(model, out_emb))
+    grids = _grid_parts(model)
     for name, mod in lin.items():
         try:
             bq = from_torchao(mod.weight)
@@ -73,8 +101,12 @@ def plan_model(model: torch.nn.Module, *, per_token_fp32: bool, quantize_lm_head
             raise ExportError(f"onnxruntime exporter: {name}: {exc}") from None
         if bq is not None:
             _check_dequantize(name, mod.weight, bq)
+            if name in grids:
+                bq = bq.rows(0, grids[name][0].shape[0])  # without the group-sum rows
             kernel: Kernel = "nbits" if bq.bits == 4 or int8_kernel == "nbits" or not _per_channel(bq) else "per_token"
-            plan.linears[name] = LinearPlan(kernel, bq, accuracy_level)
+            plan.linears[name] = LinearPlan(kernel, bq, accuracy_level, grids[name][0] if name in grids else None)
+        elif name in grids:
+            raise ExportError(f"onnxruntime exporter: {name}: an offset path around an unquantized Linear")
         elif per_token_fp32 and not any(fnmatch.fnmatchcase(name, p) for p in exclude_modules):
             if name == plan.lm_head and not quantize_lm_head:
                 continue
@@ -121,7 +153,9 @@ def _qkv_fusable(lin: dict[str, torch.nn.Linear], plan: FusedPlan) -> bool:
 def _kind(p: LinearPlan | None):
     if p is None:
         return None
-    return (p.kernel, p.accuracy_level) if p.bq is None else (p.kernel, p.accuracy_level, p.bq.bits, p.bq.group, p.bq.zero is None)
+    if p.bq is None:
+        return (p.kernel, p.accuracy_level)
+    return (p.kernel, p.accuracy_level, p.bq.bits, p.bq.group, p.bq.zero is None, p.offset is None)
 
 
 # ---------------------------------------------------------------------------------- HF folder
@@ -133,6 +167,13 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, t in model.state_dict().items():
         bq = from_torchao(t) if isinstance(t, torch.Tensor) else None
         sd[name] = (bq.dequantize() if bq is not None else t.detach().to(torch.float32)).contiguous()
+    for name, (r, bias) in _grid_parts(model).items():  # a kept source grid: the Linear it replaced, whole
+        for key in [k for k in sd if k.startswith(f"{name}.linear.") or k.startswith(f"{name}.offset.")]:
+            sd.pop(key)
+        w = _dense(model.get_submodule(name).linear.weight)[: r.shape[0]]
+        sd[f"{name}.weight"] = (w + r.repeat_interleave(w.shape[1] // r.shape[1], dim=1)).contiguous()
+        if bias is not None:
+            sd[f"{name}.bias"] = bias.contiguous()
     return sd
 
 

@@ -113,6 +113,20 @@ class Ptq8Config(StageConfig):
         "against calibration activations; same layout, lowers to XNNPACK unchanged)",
     )
     gptq: GptqOptions | None = Field(None, description="algorithm gptq only: GPTQ settings (defaults if omitted)")
+    source_grid: bool = Field(
+        False,
+        description="8da4w only: a Linear whose weights already lie on a 4-bit grid of group_size columns (a "
+        "model converted from a GGUF Q4_0/Q4_1/Q4_K file) keeps that grid exactly instead of being rounded "
+        "again: symmetric int4 with the grid's own step, plus a per-group offset path where the grid is not "
+        "centred on zero (Q4_1, Q4_K); the other layers are quantized by `algorithm`. Exports to executorch and "
+        "onnxruntime (fused graph: MatMulNBits plus the offset's group sums)",
+    )
+    source_grid_offset: Literal["fp32", "int8"] | None = Field(
+        None,
+        description="source_grid only: precision of the offset path's small Linear (in/group_size inputs): "
+        "fp32 (the default: exact, 1/8 byte per weight) or int8 (8da8w per channel, 1/32 byte per weight; on "
+        "SmolLM2 7% smaller, but slower: one more dynamic quantization per path)",
+    )
     int8_modules: list[str] = Field(
         default_factory=list,
         description="8da4w only: module patterns (or 'lm_head') quantized 8da8w instead of int4: mixed "
@@ -197,6 +211,10 @@ class Ptq8Config(StageConfig):
             raise ValueError("budget_promote_to: 8da8w needs scheme 8da4w (the layers already are 8da8w); use fp32")
         if self.scheme == "8da8w" and self.int8_modules:
             raise ValueError("int8_modules applies only to scheme 8da4w (8da8w quantizes every layer to int8)")
+        if self.source_grid and self.scheme != "8da4w":
+            raise ValueError("source_grid applies only to scheme 8da4w (it keeps a 4-bit grid)")
+        if not self.source_grid and self.source_grid_offset is not None:
+            raise ValueError("source_grid_offset applies only with source_grid: true")
         if self.gptq is not None and self.algorithm != "gptq":
             raise ValueError("gptq options apply only with algorithm: gptq")
         if self.algorithm == "gptq" and self.weight_qparams != "affine":
@@ -228,6 +246,10 @@ class Ptq8Config(StageConfig):
                 return [str(exc).removeprefix("ptq_int8: ")]
             return []
 
+        exporter = getattr(target, "exporter", None) if target is not None else None
+        if self.source_grid and exporter not in (None, "executorch", "onnxruntime"):
+            return [f"source_grid adds offset paths that the executorch and onnxruntime targets export; target "
+                    f"{target.name!r} re-quantizes the weights itself and needs source_grid: false"]
         if self.quantize_embedding == "tied" and target is not None and getattr(target, "exporter", None) != "onnxruntime":
             return [f"quantize_embedding: tied is read by the onnxruntime target only (GatherBlockQuantized); "
                     f"target {target.name!r} needs int8 or int4"]

@@ -25,21 +25,22 @@ def _weight_scheme(cfg: Ptq8Config, int8: bool):
     return scheme_for("8da8w", None) if int8 or cfg.scheme == "8da8w" else scheme_for("8da4w", cfg.effective_group_size)
 
 
-def _install(module: nn.Linear, res: "GptqLayerResult", bits: int) -> None:
-    """Put GPTQ's integers and scales into the module as torchao's ``IntxUnpackedToInt8Tensor``:
-    the layout round-to-nearest produces, which ExecuTorch lowers to XNNPACK unchanged."""
+def install_integers(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bits: int, source: str = "GPTQ") -> None:
+    """Put integer weights and their symmetric scales into the module as torchao's
+    ``IntxUnpackedToInt8Tensor``: the layout round-to-nearest produces, which ExecuTorch lowers to
+    XNNPACK unchanged (GPTQ's result, or a source checkpoint's own grid)."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
 
-    q, scale = res.q, res.scale
-    # built in float32: dividing a bf16 weight by a bf16 scale moves integers off GPTQ's grid (a
+    deq = (q.float().unflatten(-1, (scale.shape[1], -1)) * scale.float().unsqueeze(-1)).flatten(-2)
+    # built in float32: dividing a bf16 weight by a bf16 scale moves integers off the grid (a
     # compute_dtype bfloat16 run); the integers are what the .pte runs, so only the scale is cast
     t = IntxUnpackedToInt8Tensor.from_hp(
-        res.dequantized().float(), (1, q.shape[1] // scale.shape[1]), torch.int4 if bits == 4 else torch.int8,
+        deq, (1, q.shape[1] // scale.shape[1]), torch.int4 if bits == 4 else torch.int8,
         activation_quantization="int8_asym_per_token", intx_choose_qparams_algorithm=None,
         custom_scale=scale.float(), custom_zero_point=torch.zeros_like(scale, dtype=torch.int8),
     )
-    if not torch.equal(t.qdata, q):  # the grid must survive the round trip exactly, or the .pte drifts
-        raise RuntimeError(f"GPTQ integers changed when building the torchao tensor ({(t.qdata != q).sum()} values)")
+    if not torch.equal(t.qdata, q.to(t.qdata.device)):  # the grid must survive the round trip exactly, or the .pte drifts
+        raise RuntimeError(f"{source} integers changed when building the torchao tensor ({(t.qdata != q).sum()} values)")
     if module.weight.dtype != torch.float32:
         t = t.to(module.weight.dtype)  # the scale (and the output) in the model's dtype; qdata unchanged
     module.weight = nn.Parameter(t, requires_grad=False)
@@ -68,6 +69,6 @@ def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: li
     if opts.damp == "auto" and ctx.log:
         ctx.log(f"gptq damp auto: layers per chosen damp {summary['damp_counts']}")
     for name, r in res.layers.items():
-        _install(model.get_submodule(name), r, targets[name].bits)
+        install_integers(model.get_submodule(name), r.q, r.scale, targets[name].bits)
     used = calib_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return {**summary, **opts.model_dump(), "calibration_dtype_used": str(used).removeprefix("torch.")}

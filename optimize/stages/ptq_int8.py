@@ -33,7 +33,8 @@ from torch import nn
 from optimize.stage_api import StageContext, register_stage
 from optimize.stages._select import is_tied
 from optimize.stages.ptq_config import Ptq8Config
-from optimize.stages.ptq_gptq import quantize_gptq
+from optimize.quant.source_grid import restore as restore_grid
+from optimize.stages.ptq_gptq import install_integers, quantize_gptq
 from optimize.stages.ptq_plan import LayerPlan, untie_config
 
 #: Ptq8Config is defined in ptq_config (read by the GPTQ glue and QAT too) and named here with its stage
@@ -86,7 +87,61 @@ def budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: LayerPl
     return {**kept_plan.as_details(), "sensitivity_top": scored[:12]}
 
 
-@register_stage("ptq_int8", Ptq8Config)
+def source_grids(model: nn.Module, names: list[str], group_size: int) -> dict:
+    """The Linears among ``names`` whose weights lie on a 4-bit grid of ``group_size`` columns;
+    refuses a ``source_grid`` stage where none does (the source was no 4-bit GGUF). The output
+    projection is never among them: it may share its table with the embedding, and exporters read
+    its weight as a Linear's; it goes through the stage's ``algorithm``."""
+    from optimize.quant.source_grid import find_grid
+    from optimize.stages._select import module_name
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_name = module_name(model, head) if head is not None else None
+    grids = {}
+    for name in [n for n in names if n != head_name]:
+        split = find_grid(model.get_submodule(name).weight, group_size)
+        if split is not None:
+            grids[name] = split
+    if names and not grids:
+        raise ValueError(f"ptq_int8: source_grid: none of the {len(names)} int4 Linears has weights on a 4-bit grid of "
+                         f"{group_size} columns (the model was not converted from a GGUF Q4_0/Q4_1/Q4_K file); "
+                         "drop source_grid")
+    return grids
+
+
+def install_grids(model: nn.Module, grids: dict, cfg: Ptq8Config) -> dict:
+    """Install each grid as symmetric int4 with the grid's step and, where the grid is not centred
+    on zero, an offset path (:class:`~optimize.quant.source_grid.GroupOffsetLinear`). The details
+    carry how far the split is from the weights it replaces (``max_relative_error``; the installer
+    refuses integers that do not survive torchao's layout)."""
+    from torchao.quantization import quantize_
+
+    from optimize.quant.source_grid import offset_module, record, replace
+
+    g = cfg.effective_group_size
+    worst = 0.0
+    install = lambda m, q, s: install_integers(m, q, s, 4, source="source grid")  # noqa: E731
+    for name, split in grids.items():
+        lin = model.get_submodule(name)
+        before = lin.weight.detach().float()
+        worst = max(worst, float((split.dequantized() - before).abs().max() / before.abs().max().clamp_min(1e-30)))
+        if split.offset is None:
+            install(lin, split.q, split.scale)
+        else:
+            replace(model, name, offset_module(lin, split, install))
+    offsets = [n for n, s in grids.items() if s.offset is not None]
+    precision = cfg.source_grid_offset or "fp32"
+    if offsets and precision == "int8":
+        sel = {f"{n}.offset" for n in offsets}
+        quantize_(model, linear_config(cfg.model_copy(update={"scheme": "8da8w", "group_size": None})),
+                  filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in sel)
+    if offsets:
+        record(model, offsets, g)
+    return {"layers": len(grids), "with_offset_path": len(offsets), "offset_precision": precision,
+            "max_relative_error": worst}
+
+
+@register_stage("ptq_int8", Ptq8Config, restore=lambda model, cfg: restore_grid(model))
 def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), round-to-nearest or GPTQ, mixed precision by hand or by budget."""
     from torchao.quantization import quantize_
@@ -101,16 +156,19 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
         budget = budget_plan(model, cfg, ctx, p)
     eight = [n for n in p["selected"] if n in set(p["int8"])] if cfg.scheme == "8da4w" else []
     four = [n for n in p["selected"] if n not in set(eight)]
+    grids = source_grids(model, four, cfg.effective_group_size) if cfg.source_grid else {}
+    four = [n for n in four if n not in grids]
     gptq = None
-    if cfg.algorithm == "gptq":
+    if cfg.algorithm == "gptq" and (four or eight):  # first, on the model as it came: the grid layers are still exact
         gptq = quantize_gptq(model, cfg, ctx, four, eight)
-    else:
+    elif four or eight:
         sel4 = set(four)
         quantize_(model, linear_config(cfg), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in sel4)
         if eight:
             sel8 = set(eight)
             quantize_(model, linear_config(cfg.model_copy(update={"scheme": "8da8w", "group_size": None})),
                       filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in sel8)
+    grid_details = install_grids(model, grids, cfg) if cfg.source_grid else None
     if p["embedding"] is not None:
         emb_fqn = p["embedding"]
         quantize_(model, embedding_config(cfg), filter_fn=lambda m, fqn: fqn == emb_fqn)
@@ -135,13 +193,15 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
             "kept_modules": p["kept"],
             "int8_modules": eight,
             "precision_mix": {"fp32": len(p["kept"]), "8da8w": len(eight) if cfg.scheme == "8da4w" else len(four),
-                              "8da4w": len(four) if cfg.scheme == "8da4w" else 0},
+                              "8da4w": len(four) + len(grids) if cfg.scheme == "8da4w" else 0},
             "embedding_quantized": cfg.quantize_embedding,
             "untied_embeddings": untied,
         }
     )
     if gptq is not None:
         ctx.details["gptq"] = gptq
+    if grid_details is not None:
+        ctx.details["source_grid"] = grid_details
     if budget is not None:
         ctx.details["mixed_precision"] = budget
     if p["conv1d_skipped"]:
@@ -152,5 +212,6 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
         + f", kept {len(p['kept'])} in fp32"
         + (f" ({', '.join(p['kept'][:4])}{'...' if len(p['kept']) > 4 else ''})" if p["kept"] else "")
         + (f"; embedding {cfg.quantize_embedding}" if cfg.quantize_embedding else "")
+        + (f"; {len(grids)} kept their source's 4-bit grid exactly" if grids else "")
     )
     return model
