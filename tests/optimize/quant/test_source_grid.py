@@ -216,6 +216,8 @@ def test_offset_paths_survive_the_stage_checkpoint(tiny_cfg, tmp_path):
 @pytest.mark.parametrize("opts,message", [
     ({"scheme": "8da8w"}, "only to scheme 8da4w"),
     ({"source_grid": False, "source_grid_offset": "fp32"}, "only with source_grid"),
+    ({"source_grid_offset": "fp16"}, "'fp32' or 'int8'"),
+    ({"source_grid": "sometimes"}, "valid boolean"),
 ])
 def test_config_refuses(tiny_cfg, opts, message):
     from optimize.errors import ConfigError
