@@ -137,10 +137,10 @@ def _offset_rows(plan: FusedPlan, pieces: list, bq: BlockQuant) -> torch.Tensor 
     parts = [(plan.linears[mod].offset, plan.linears[mod].bq, sl) for mod, sl in pieces]
     if all(o is None for o, _, _ in parts):
         return None
-    groups = bq.shape[1] // next(o for o, _, _ in parts if o is not None).shape[1]
+    groups = next(o for o, _, _ in parts if o is not None).shape[1]
     rows = []
     for o, pbq, sl in parts:
-        o = torch.zeros(pbq.shape[0], bq.shape[1] // groups) if o is None else o
+        o = torch.zeros(pbq.shape[0], groups) if o is None else o
         rows.append(o if sl is None else o[sl])
     return torch.cat(rows)
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from export.group_offset import GroupOffsetLinear, pool_rows
 
-__all__ = ["GridSplit", "GroupOffsetLinear", "find_grid", "offset_module", "record", "replace", "restore", "wrap"]
+__all__ = ["GridSplit", "GroupOffsetLinear", "find_grid", "offset_module", "record", "restore", "wrap"]
 
 #: a value counts as on the grid when it lies within this fraction of the step of a grid point
 #: (GGUF's fp16 d and m, de-quantized in fp32, give errors below 1e-6 of the step)
@@ -98,11 +98,6 @@ def find_grid(weight: torch.Tensor, group_size: int = 32) -> GridSplit | None:
     return GridSplit(q, step.squeeze(-1).float(), offset.float(), group_size)
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
-
-
 def wrap(model: nn.Module, names: list[str], group_size: int) -> None:
     """Replace each named Linear with an empty :class:`GroupOffsetLinear` of its shape (a
     checkpoint's state dict fills it; the stage installs through :func:`offset_module`)."""
@@ -110,8 +105,8 @@ def wrap(model: nn.Module, names: list[str], group_size: int) -> None:
         lin = model.get_submodule(name)
         if not isinstance(lin, nn.Linear):
             raise TypeError(f"{name} is a {type(lin).__name__}, not the nn.Linear an offset path replaces")
-        _set(model, name, GroupOffsetLinear(lin.in_features, lin.out_features, group_size, lin.bias is not None,
-                                            device=lin.weight.device))
+        model.set_submodule(name, GroupOffsetLinear(lin.in_features, lin.out_features, group_size,
+                                                    lin.bias is not None, device=lin.weight.device), strict=True)
 
 
 def offset_module(linear: nn.Linear, split: GridSplit, install) -> GroupOffsetLinear:
@@ -127,10 +122,6 @@ def offset_module(linear: nn.Linear, split: GridSplit, install) -> GroupOffsetLi
         if linear.bias is not None:
             mod.offset.bias.copy_(linear.bias.detach())
     return mod
-
-
-def replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    _set(model, name, module)
 
 
 def record(model: nn.Module, names: list[str], group_size: int) -> None:

@@ -116,7 +116,7 @@ def install_grids(model: nn.Module, grids: dict, cfg: Ptq8Config) -> dict:
     refuses integers that do not survive torchao's layout)."""
     from torchao.quantization import quantize_
 
-    from optimize.quant.source_grid import offset_module, record, replace
+    from optimize.quant.source_grid import offset_module, record
 
     g = cfg.effective_group_size
     worst = 0.0
@@ -128,7 +128,7 @@ def install_grids(model: nn.Module, grids: dict, cfg: Ptq8Config) -> dict:
         if split.offset is None:
             install(lin, split.q, split.scale)
         else:
-            replace(model, name, offset_module(lin, split, install))
+            model.set_submodule(name, offset_module(lin, split, install), strict=True)
     offsets = [n for n, s in grids.items() if s.offset is not None]
     precision = cfg.source_grid_offset or "fp32"
     if offsets and precision == "int8":
