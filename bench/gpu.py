@@ -281,8 +281,10 @@ def _run_recipe(label: str, launcher: list[str], overrides: list[str], out_dir: 
         return {"error": f"timed out after {timeout:.0f}s"}
     if proc.returncode != 0:
         lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-        # the cause, not torchrun's closing banner: the last line that names an error
-        cause = [line for line in lines if "Error" in line or line.startswith("error:")] or lines or ["?"]
+        # the cause, not torchrun's closing banner (ChildFailedError): the CLI's own one-line refusal
+        # first, else the last line that names an error
+        cause = ([line for line in lines if line.startswith("error:")]
+                 or [line for line in lines if "Error" in line] or lines or ["?"])
         return {"error": f"exit {proc.returncode}: {cause[-1][:400]}"}
     try:
         report = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -368,9 +370,11 @@ def _stage_rows(label: str, res: dict) -> list[dict]:
     rows = []
     for r in res["report"]["rows"]:
         mem = r.get("resources") or {}
+        timing = (r.get("details") or {}).get("gptq_timing")
         rows.append({"run": label, "stage": r["name"], "perplexity": r["metrics"].get("perplexity"),
                      "wall_s": r["wall_s"], "peak_mib": mem.get("peak_cuda_mb") or mem.get("peak_rss_mb"),
-                     "device": mem.get("device"), "status": r["status"] + (f": {r['error'][:160]}" if r.get("error") else "")})
+                     "device": mem.get("device"), "status": r["status"] + (f": {r['error'][:160]}" if r.get("error") else ""),
+                     **({"gptq_timing": timing} if timing else {})})
     return rows or [{"run": label, "error": "the report has no rows"}]
 
 
@@ -475,8 +479,11 @@ def tables(results: dict) -> str:
             if "error" in r:
                 out.append(f"| {r['run']} | failed: {r['error'][:200]} | | | | |")
                 continue
+            t = r.get("gptq_timing")
+            note = (f"; GPTQ calibrate {t['calibrate_s']:.1f} s, solve {t['solve_s']:.1f} s"
+                    + (f", CUDA graphs {t['cuda_graphs']}" if t.get("cuda_graphs") else "")) if t else ""
             out.append(f"| {r['run']} | {r['stage']} | {_f(r['perplexity'], '.3f')} | {_f(r['wall_s'])} | "
-                       f"{_f(r['peak_mib'], '.0f')} | {r.get('status') or '-'} |")
+                       f"{_f(r['peak_mib'], '.0f')} | {(r.get('status') or '-') + note} |")
     if "stages_summary" in results:
         s = results["stages_summary"]
         out += ["", f"Demo stages: GPU {_f(s.get('gpu_s'))} s, 2 CPU threads {_f(s.get('cpu_s'))} s "

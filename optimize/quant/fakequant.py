@@ -140,11 +140,6 @@ def qdq_embedding(emb: nn.Embedding, bits: int = 8, group_size: int | None = Non
     return out
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
-
-
 @contextlib.contextmanager
 def fake_quantized(
     model: nn.Module, names: list[str], scheme: WeightScheme
@@ -160,12 +155,12 @@ def fake_quantized(
     try:
         for n, mod in originals.items():
             if isinstance(mod, nn.Linear):
-                _set(model, n, FakeQuantLinear(mod, scheme))
+                model.set_submodule(n, FakeQuantLinear(mod, scheme), strict=True)
             elif isinstance(mod, nn.Embedding):
-                _set(model, n, qdq_embedding(mod, bits=scheme.bits, group_size=scheme.group_size))
+                model.set_submodule(n, qdq_embedding(mod, bits=scheme.bits, group_size=scheme.group_size), strict=True)
             else:
                 raise TypeError(f"{n} is a {type(mod).__name__}; only nn.Linear and nn.Embedding fake-quantize")
         yield model
     finally:
         for n, mod in originals.items():
-            _set(model, n, mod)
+            model.set_submodule(n, mod, strict=True)

@@ -29,6 +29,7 @@ a value whose Cholesky factorisation fails is skipped (and the ladder continues 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -163,10 +164,41 @@ def gptq_layer(
 
     ``damp="auto"`` tries every fraction of ``damp_ladder`` (the module docstring) and keeps the
     one whose GPTQ output error on the undamped Hessian is lowest; the result's ``damp`` says which."""
-    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
+    return gptq_layers([weight], hessian, scheme, damp=damp, block_size=block_size, act_order=act_order,
+                       scale_init=scale_init, rows_per_chunk=rows_per_chunk, damp_ladder=damp_ladder)[0]
+
+
+@torch.no_grad()
+def gptq_layers(
+    weights: list[torch.Tensor],
+    hessian: torch.Tensor,
+    scheme: WeightScheme,
+    *,
+    damp: Damp = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    scale_init: ScaleInit = "absmax",
+    rows_per_chunk: int | None = None,
+    damp_ladder: tuple[float, ...] = DAMP_LADDER,
+) -> list[GptqLayerResult]:
+    """:func:`gptq_layer` for Linears that read the same input (q/k/v, gate/up): one Hessian, one
+    inverse factor, and their rows stacked through one column loop. Why: GPTQ's rows are
+    independent given the Hessian and each row's scales, so stacking gives each layer the integers
+    it gets alone, with one column loop instead of one per layer (the loop's per-column steps
+    are what a GPU spends its time on). Each result carries its own layer's errors.
+
+    ``damp="auto"`` chooses per layer, so there each weight runs on its own."""
+    if not weights:
+        raise ValueError("gptq_layers needs at least one weight")
     _check_damp(damp)
-    out_f, in_f = weight.shape
+    for weight in weights:
+        if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+            raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
+    if damp == "auto" and len(weights) > 1:
+        return [gptq_layer(w, hessian, scheme, damp=damp, block_size=block_size, act_order=act_order,
+                           scale_init=scale_init, rows_per_chunk=rows_per_chunk, damp_ladder=damp_ladder)
+                for w in weights]
+    in_f = weights[0].shape[1]
     gs = scheme.group_size or in_f
     if in_f % gs:
         raise ValueError(f"group_size={gs} does not divide in_features={in_f}")
@@ -185,7 +217,7 @@ def gptq_layer(
 
     done = None  # (q, scale) of every row when the ladder already ran on all of them
     if damp == "auto":
-        damp, hinv, done = _auto_damp(weight, h, h_ref, scheme, dead, perm, inv_perm, gs, block_size, scales_of,
+        damp, hinv, done = _auto_damp(weights[0], h, h_ref, scheme, dead, perm, inv_perm, gs, block_size, scales_of,
                                       damp_ladder)
     else:
         try:
@@ -195,28 +227,46 @@ def gptq_layer(
                              "(or use damp: auto)") from exc
     del h
 
-    rows = out_f if done is not None else (rows_per_chunk or max(1, CHUNK_BYTES // (in_f * 8)))
-    qs, scales = [], []
-    ref = err_rtn = err_gptq = 0.0
-    for r0 in range(0, out_f, rows):
-        w_orig = weight.detach()[r0 : r0 + rows].float()
-        if done is not None:
-            q, scale = done
-        else:
+    rows = rows_per_chunk or max(1, CHUNK_BYTES // (in_f * 8))
+    stacked = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+    if done is not None:
+        q_all, scale_all = done[0].to(torch.int8), done[1].float()
+    else:
+        qs, scales = [], []
+        for r0 in range(0, stacked.shape[0], rows):
+            w_orig = stacked[r0 : r0 + rows].float()
             scale = scales_of(w_orig)
-            q = _gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs, block_size, scale)[0]
-        # errors on the undamped Hessian: what the calibration inputs actually see
+            qs.append(_gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs, block_size,
+                                 scale)[0].to(torch.int8))
+            scales.append(scale.float())
+        q_all, scale_all = torch.cat(qs), torch.cat(scales)
+    del stacked
+    results, r0 = [], 0
+    for weight in weights:
+        r1 = r0 + weight.shape[0]
+        q, scale = q_all[r0:r1], scale_all[r0:r1]
+        rtn, gptq = _relative_errors(weight, q, scale, scheme, h_ref, rows)
+        results.append(GptqLayerResult(q=q, scale=scale, rel_error_rtn=rtn, rel_error_gptq=gptq, damp=float(damp)))
+        r0 = r1
+    return results
+
+
+def _relative_errors(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scheme: WeightScheme,
+                     h_ref: torch.Tensor, rows: int) -> tuple[float, float]:
+    """Round-to-nearest's and GPTQ's output error relative to the output, on the undamped Hessian
+    (what the calibration inputs actually see), a chunk of rows at a time."""
+    gs = weight.shape[1] // scale.shape[1]
+    ref = err_rtn = err_gptq = 0.0
+    for r0 in range(0, weight.shape[0], rows):
+        w_orig = weight.detach()[r0 : r0 + rows].float()
         w64 = w_orig.double()
         ref += _quadratic_error(w64, h_ref)
-        gptq_dq = q * scale.double().repeat_interleave(gs, dim=1)
+        gptq_dq = q[r0 : r0 + rows].double() * scale[r0 : r0 + rows].double().repeat_interleave(gs, dim=1)
         rtn_dq = qdq_weight(w_orig, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8)).double()
         err_rtn += _quadratic_error(rtn_dq - w64, h_ref)
         err_gptq += _quadratic_error(gptq_dq - w64, h_ref)
-        qs.append(q.to(torch.int8))
-        scales.append(scale.float())
     denom = max(ref, 1e-30)
-    return GptqLayerResult(q=torch.cat(qs), scale=torch.cat(scales), rel_error_rtn=err_rtn / denom,
-                           rel_error_gptq=err_gptq / denom, damp=float(damp))
+    return err_rtn / denom, err_gptq / denom
 
 
 def _auto_damp(weight: torch.Tensor, h: torch.Tensor, h_ref: torch.Tensor, scheme: WeightScheme,
@@ -270,13 +320,27 @@ def _gptq_rows(w_orig: torch.Tensor, scheme: WeightScheme, hinv: torch.Tensor, d
                scale: torch.Tensor) -> torch.Tensor:
     """GPTQ's column loop over some rows of the weight, once per inverse factor in ``hinv``
     (``[C, in, in]``, permuted; candidates of ``damp="auto"`` share one loop): the integers as
-    float64 in input order, ``[C, rows, in]``. ``scale`` (``[rows, n_groups]``) is fixed."""
-    qmin, qmax = scheme.qrange
+    float64 in input order, ``[C, rows, in]``. ``scale`` (``[rows, n_groups]``) is fixed.
+
+    On CUDA, inside :func:`gptq_model`, the loop replays as a CUDA graph (:class:`RowGraphs`)."""
+    args = (w_orig, hinv, dead, perm, inv_perm, scale)
+    statics = (scheme.qrange, gs, block_size)
+    if _ROW_GRAPHS is not None and _ROW_GRAPHS.wants(w_orig, hinv):
+        return _ROW_GRAPHS.run(args, statics)
+    return _column_loop(*args, *statics)
+
+
+def _column_loop(w_orig: torch.Tensor, hinv: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor,
+                 inv_perm: torch.Tensor, scale: torch.Tensor, qrange: tuple[int, int], gs: int,
+                 block_size: int) -> torch.Tensor:
+    """:func:`_gptq_rows`'s arithmetic, with no host synchronisation and no data-dependent shape
+    (masks by ``masked_fill``, group scales by ``expand``), so that a CUDA graph can capture it."""
+    qmin, qmax = qrange
     n_c, in_f = hinv.shape[0], w_orig.shape[1]
-    w = w_orig.double().clone()
-    w[:, dead] = 0.0
+    w = w_orig.double().masked_fill(dead, 0.0)
     w = w[:, perm].unsqueeze(0).repeat(n_c, 1, 1)  # [C, rows, in]
-    col_scale = scale.double().repeat_interleave(gs, dim=1)[:, perm]  # each column's group scale
+    scale64 = scale.double()
+    col_scale = scale64.unsqueeze(-1).expand(*scale64.shape, gs).reshape(scale64.shape[0], -1)[:, perm]
     q = torch.zeros_like(w)
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
@@ -294,6 +358,84 @@ def _gptq_rows(w_orig: torch.Tensor, scheme: WeightScheme, hinv: torch.Tensor, d
         for c in range(n_c):  # one 2-D product per candidate: the same float path as a single one
             w[c, :, i2:] -= err1[c] @ hinv[c, i1:i2, i2:]
     return q[:, :, inv_perm]
+
+
+class RowGraphs:
+    """GPTQ's column loop as CUDA graphs, one per shape, replayed for every layer of that shape.
+
+    Why: the loop launches about ten small kernels per input column (a 135M model has 150k
+    columns over its Linears); on a GPU each launch's host-side cost outweighs its work, and a
+    graph replays the whole loop with one launch. Layers of one model repeat a handful of shapes,
+    so each graph is captured once and replayed per block.
+
+    Exactness is checked, not assumed: the first replay of every graph is compared with the eager
+    loop on the same inputs, and any difference (or a failed capture) turns graphs off for the
+    rest of the run, which then computes eagerly. Large layers (an output head) run eagerly:
+    there the kernels' own work dominates and a graph's private memory would be large."""
+
+    #: working-matrix elements (candidates x rows x in) above which the loop runs eagerly
+    MAX_ELEMENTS = 2**23
+    #: graphs kept at once (each holds its own memory pool)
+    MAX_GRAPHS = 16
+
+    def __init__(self) -> None:
+        self.graphs: dict[tuple, tuple] = {}  # key -> (graph, static inputs, static output, replays)
+        self.disabled: str | None = None
+        self.captured = self.replayed = 0
+
+    def wants(self, w_orig: torch.Tensor, hinv: torch.Tensor) -> bool:
+        return (self.disabled is None and w_orig.is_cuda and hinv.is_cuda
+                and hinv.shape[0] * w_orig.numel() <= self.MAX_ELEMENTS)
+
+    def run(self, args: tuple[torch.Tensor, ...], statics: tuple) -> torch.Tensor:
+        key = (statics, tuple((tuple(a.shape), a.dtype, a.device) for a in args))
+        entry = self.graphs.get(key)
+        if entry is None:
+            return self._capture(key, args, statics)
+        graph, static_in, static_out, replays = entry
+        for dst, src in zip(static_in, args):
+            dst.copy_(src)
+        graph.replay()
+        out = static_out.clone()
+        self.replayed += 1
+        if replays == 0:  # the first replay: proven against the eager loop once per graph
+            eager = _column_loop(*args, *statics)
+            if not torch.equal(out, eager):
+                self._off("a replay differed from the eager loop")
+                return eager
+        self.graphs[key] = (graph, static_in, static_out, replays + 1)
+        return out
+
+    def _capture(self, key: tuple, args: tuple[torch.Tensor, ...], statics: tuple) -> torch.Tensor:
+        if len(self.graphs) >= self.MAX_GRAPHS:
+            self.graphs.clear()
+        static_in = tuple(a.clone() for a in args)
+        stream = torch.cuda.Stream(device=args[0].device)
+        stream.wait_stream(torch.cuda.current_stream(args[0].device))
+        with torch.cuda.stream(stream):  # warm-up off the capture (cuBLAS workspaces); its result is this call's
+            out = _column_loop(*static_in, *statics)
+        torch.cuda.current_stream(args[0].device).wait_stream(stream)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = _column_loop(*static_in, *statics)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: compute eagerly from here on
+            self._off(f"capture failed: {type(exc).__name__}: {str(exc)[:200]}")
+            return out
+        self.graphs[key] = (graph, static_in, static_out, 0)
+        self.captured += 1
+        return out
+
+    def _off(self, why: str) -> None:
+        self.disabled = why
+        self.graphs.clear()
+
+    def summary(self) -> dict:
+        return {"captured": self.captured, "replayed": self.replayed, "disabled": self.disabled}
+
+
+#: the graphs of the :func:`gptq_model` run in progress (None: the column loop runs eagerly)
+_ROW_GRAPHS: RowGraphs | None = None
 
 
 class HessianCollector:
@@ -361,6 +503,11 @@ class GptqRunResult:
     tokens: int = 0
     #: the blocks (or "outside blocks") calibrated, in order
     steps: list[str] = field(default_factory=list)
+    #: seconds in the calibration forwards (Hessians) and in GPTQ's solves, summed over the blocks
+    calibrate_s: float = 0.0
+    solve_s: float = 0.0
+    #: :meth:`RowGraphs.summary` where the column loop ran as CUDA graphs
+    cuda_graphs: dict | None = None
 
     def summary(self) -> dict:
         rtn = [r.rel_error_rtn for r in self.layers.values()]
@@ -376,6 +523,34 @@ class GptqRunResult:
             "damp_by_projection": {kind: _counts(r.damp for n, r in self.layers.items() if n.rsplit(".", 1)[-1] == kind)
                                    for kind in sorted({n.rsplit(".", 1)[-1] for n in self.layers})},
         }
+
+    def timing(self) -> dict:
+        """Where the run's time went (apart from :meth:`summary`, whose figures repeat run to run)."""
+        return {"calibrate_s": round(self.calibrate_s, 2), "solve_s": round(self.solve_s, 2),
+                **({"cuda_graphs": self.cuda_graphs} if self.cuda_graphs else {})}
+
+
+def shared_input_groups(names: list[str], hessians: dict[str, torch.Tensor],
+                        targets: dict[str, WeightScheme]) -> list[list[str]]:
+    """``names`` grouped by identical Hessian and scheme, in first-seen order: the Linears that
+    read one input (q/k/v, gate/up) accumulated the very same ``x^T x`` sums, so equality is exact."""
+    groups: list[list[str]] = []
+    for name in names:
+        for group in groups:
+            first = group[0]
+            if targets[first] == targets[name] and torch.equal(hessians[first], hessians[name]):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work (CUDA runs ahead of the host)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _counts(values) -> dict[str, int]:
@@ -412,9 +587,18 @@ def gptq_model(
     in float64, none did (:mod:`optimize.quant.host_independent`). See :func:`_gptq_model` for the
     algorithm.
     """
-    with computing_in(model, calibration_dtype):
-        return _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
-                           scale_init=scale_init, log=log, device=device, progress=progress)
+    global _ROW_GRAPHS
+    graphs = _ROW_GRAPHS = RowGraphs()
+    try:
+        with computing_in(model, calibration_dtype):
+            result = _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
+                                 scale_init=scale_init, log=log, device=device, progress=progress)
+    finally:
+        _ROW_GRAPHS = None
+        graphs.graphs.clear()
+    if graphs.captured or graphs.disabled:
+        result.cuda_graphs = graphs.summary()
+    return result
 
 
 def _gptq_model(
@@ -463,20 +647,31 @@ def _gptq_model(
 
     def calibrate_and_quantize(names: list[str], feed: Callable[[], None], label: str) -> None:
         """Feed the windows with Hessian hooks on ``names``, then GPTQ them."""
+        t_feed = _clock(device or home)
         collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
         try:
             feed()
         finally:
             collector.close()
         result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
-        for name in names:  # GPTQ each Linear from its Hessian; install the de-quantized grid values
+        for name in names:
             if name not in collector.h:
                 raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
-            lin = model.get_submodule(name)
-            res = gptq_layer(lin.weight, collector.h.pop(name), targets[name], damp=damp, block_size=block_size,
-                             act_order=act_order, scale_init=scale_init)
-            lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
-            result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
+        t0 = _clock(device or home)
+        result.calibrate_s += t0 - t_feed
+        # GPTQ each group of Linears that read one input (q/k/v, gate/up) from its Hessian; install
+        # the de-quantized grid values
+        for group in shared_input_groups(names, collector.h, targets):
+            lins = [model.get_submodule(name) for name in group]
+            hessian = collector.h.pop(group[0])
+            for name in group[1:]:
+                del collector.h[name]
+            outs = gptq_layers([lin.weight for lin in lins], hessian, targets[group[0]], damp=damp,
+                               block_size=block_size, act_order=act_order, scale_init=scale_init)
+            for name, lin, res in zip(group, lins, outs):
+                lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
+                result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
+        result.solve_s += _clock(device or home) - t0
         if log:
             log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
         if progress:  # a bar (step = block) on a terminal, an event for a run_pipeline callback

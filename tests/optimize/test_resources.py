@@ -43,4 +43,5 @@ def test_cuda_peak_counts_what_the_span_allocated():
     block = torch.ones(64 * 2**20 // 4, device=device)  # 64 MiB
     del block
     res = meter.stop()
-    assert res.device.startswith("cuda") and 64 <= res.peak_cuda_mb - held < 64 + 32, (res, held)
+    # peak_cuda_mb is rounded to 0.1 MiB (seen on an H100: 129.1 - 65.15 = 63.95)
+    assert res.device.startswith("cuda") and 64 - 0.1 <= res.peak_cuda_mb - held < 64 + 32, (res, held)

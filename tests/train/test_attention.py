@@ -181,7 +181,8 @@ def test_kernel_probe_passes_the_shapes_transformers_passes_with_gqa(monkeypatch
 def test_efficient_kernel_with_gqa_is_refused_before_training_on_cuda():
     model = _model("llama")  # GQA: fewer KV heads than query heads
     with pytest.raises(AttentionError, match="sdpa_kernel efficient cannot run on cuda .*sharing .* KV heads"):
-        configure_attention(model, AttentionConfig(sdpa_kernel="efficient"), torch.device("cuda"), torch.bfloat16, 64)
+        configure_attention(model, AttentionConfig(backend="sdpa", sdpa_kernel="efficient"), torch.device("cuda"),
+                            torch.bfloat16, 64)
 
 
 def test_refusals_name_the_option_and_what_works():

@@ -60,6 +60,60 @@ def test_rows_in_chunks_give_the_same_integers(scale_init):
     assert parts.rel_error_rtn == pytest.approx(whole.rel_error_rtn, rel=1e-12)
 
 
+
+@pytest.mark.parametrize("scale_init", ["absmax", "mse", "output_mse"])
+def test_layers_sharing_an_input_stacked_give_each_its_own_result(scale_init):
+    """q/k/v (and gate/up) share one Hessian: stacked through one column loop, each layer gets
+    exactly the integers, scales and errors it gets alone (rows are independent given H)."""
+    from optimize.quant.gptq import gptq_layers
+
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(rows, 128, generator=g) * 0.05 for rows in (64, 32, 32)]
+    x = _correlated_inputs(512, 128, seed=4)
+    h = x.double().t() @ x.double()
+    scheme = scheme_for("8da4w", 32)
+    stacked = gptq_layers(ws, h, scheme, scale_init=scale_init)
+    for w, res in zip(ws, stacked, strict=True):
+        alone = gptq_layer(w, h, scheme, scale_init=scale_init)
+        assert res.q.shape == w.shape
+        assert torch.equal(res.q, alone.q) and torch.equal(res.scale, alone.scale)
+        assert res.rel_error_gptq == alone.rel_error_gptq and res.rel_error_rtn == alone.rel_error_rtn
+    with pytest.raises(ValueError, match="do not match"):
+        gptq_layers([ws[0], torch.randn(8, 64)], h, scheme)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma", "phi3"])
+def test_gptq_model_groups_the_linears_that_read_one_input(model_type):
+    """The grouping the model run uses: equal Hessians (q/k/v, gate/up; Phi-3's fused qkv_proj and
+    gate_up_proj stand alone) are found exactly, and different inputs are never merged."""
+    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
+
+    from optimize.quant.gptq import HessianCollector, shared_input_groups
+    from train.model_parts import decoder_blocks
+
+    model = family(model_type).eval()
+    block = decoder_blocks(model)[0][0]
+    names = [n for n, m in model.named_modules() if n.startswith(block + ".") and isinstance(m, nn.Linear)]
+    scheme = scheme_for("8da4w", 32)
+    collector = HessianCollector(model, names, scheme)
+    with torch.no_grad():
+        model(torch.randint(1, 500, (1, 64), generator=torch.Generator().manual_seed(0)))
+    collector.close()
+    groups = shared_input_groups(names, collector.h, dict.fromkeys(names, scheme))
+    short = [[n.rsplit(".", 1)[-1] for n in g] for g in groups]
+    assert sorted(n for g in groups for n in g) == sorted(names)
+    for g in groups:
+        assert all(torch.equal(collector.h[g[0]], collector.h[n]) for n in g)
+    firsts = [g[0] for g in groups]
+    assert not any(torch.equal(collector.h[a], collector.h[b]) for i, a in enumerate(firsts) for b in firsts[i + 1:])
+    if model_type == "phi3":
+        assert len(groups) == len(names) == 4, short
+    else:
+        assert ["q_proj", "k_proj", "v_proj"] in short and ["gate_proj", "up_proj"] in short, short
+    # another scheme for one member splits it off
+    mixed = dict.fromkeys(names, scheme) | {names[1]: scheme_for("8da8w", None)}
+    assert [names[1]] in shared_input_groups(names, collector.h, mixed)
+
 def test_gptq_rejects_mismatched_shapes_and_bad_damp():
     w = torch.randn(8, 64)
     with pytest.raises(ValueError, match="do not match"):
@@ -305,3 +359,31 @@ def test_gptq_on_a_device_matches_the_cpu(model_type, device, tmp_path):
     assert placed_details["gptq"]["layers"] == cpu_details["gptq"]["layers"] > 0
     err = cpu_details["gptq"]["mean_rel_output_error_gptq"]
     assert placed_details["gptq"]["mean_rel_output_error_gptq"] == pytest.approx(err, rel=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma"])
+def test_cuda_graphs_of_the_column_loop_give_the_eager_integers(model_type, monkeypatch):
+    """On CUDA the column loop replays as CUDA graphs: every layer's integers and scales equal the
+    eager loop's, the graphs were captured and replayed (not silently switched off)."""
+    import copy
+
+    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
+
+    import optimize.quant.gptq as gptq_mod
+
+    model = family(model_type).cuda().eval()
+    targets = {n: scheme_for("8da4w", 32) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and n != "lm_head"}
+    g = torch.Generator().manual_seed(5)
+    windows = [torch.randint(1, 500, (64,), generator=g) for _ in range(2)]
+    graphed = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows)
+    assert graphed.cuda_graphs and graphed.cuda_graphs["disabled"] is None, graphed.cuda_graphs
+    assert graphed.cuda_graphs["captured"] > 0 and graphed.cuda_graphs["replayed"] > 0
+    monkeypatch.setattr(gptq_mod.RowGraphs, "MAX_ELEMENTS", 0)
+    eager = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows)
+    assert eager.cuda_graphs is None
+    for name in targets:
+        assert torch.equal(graphed.layers[name].q, eager.layers[name].q), name
+        assert torch.equal(graphed.layers[name].scale, eager.layers[name].scale), name
