@@ -19,7 +19,9 @@ import copy
 import logging
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -28,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from optimize import checkpoints as ckpt
-from optimize.checks.accuracy import eval_windows
+from optimize.checks.accuracy import BaselineLogits, eval_windows
 from optimize.config import PipelineConfigBase, dump_config, export_options, load_config, model_problems
 from optimize.device import DTYPES, floating_dtype, place, resolve_device
 from optimize.errors import ConfigError
@@ -91,8 +93,6 @@ def run_pipeline(
     with contextlib.ExitStack() as stack:
         quiet = None
         if not progress:
-            import tempfile
-
             fd, pending = tempfile.mkstemp(prefix="optimize-pipeline-", suffix=".log")
             os.close(fd)
             quiet = stack.enter_context(LogOutput(pending))
@@ -138,8 +138,11 @@ def _run_pipeline(config, target, overrides, output_dir, say, progress: bool, ca
     if tracker is not None:
         hub.listeners.append(tracker.on_progress)
     status = "FAILED"
+    # the baseline's log-probabilities, on disk for the run (optimize.checks.accuracy.BaselineLogits)
+    spill = Path(tempfile.mkdtemp(prefix="baseline-logprobs-", dir=run_dir))
+    stack.callback(shutil.rmtree, spill, ignore_errors=True)
     try:
-        _run(cfg, run_dir, report, say, progress)
+        _run(cfg, run_dir, report, say, progress, baseline_dir=spill)
         status = "FINISHED" if report.ok else "FAILED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -155,7 +158,12 @@ def _run_pipeline(config, target, overrides, output_dir, say, progress: bool, ca
     return report
 
 
-def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: bool = False) -> None:
+def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: bool = False,
+         baseline_dir: Path | None = None) -> None:
+    """The run itself; ``baseline_dir`` (None: in memory) holds the baseline's log-probabilities,
+    which the agreement and KL checks read one window at a time: kept in memory they are
+    positions x vocab fp16 for the whole run (1 GB for a 128256-token vocabulary at 4096 eval
+    tokens, a third of a bf16 1B model, which set the floor of a CPU run's peak RSS)."""
     from targets import load_target
     from train.corpus import split_data
     from train.sources import load_model
@@ -193,6 +201,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
         train_ids=splits.train_ids,
         prompt=splits.train_ids[: lat.prompt_tokens] if splits.train_ids.numel() >= lat.prompt_tokens else splits.eval_ids[: lat.prompt_tokens],
         say=say,
+        baseline_logits=BaselineLogits(directory=baseline_dir),
     )
 
     # ---- baseline

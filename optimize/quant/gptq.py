@@ -70,6 +70,15 @@ class GptqLayerResult:
         gs = self.q.shape[1] // self.scale.shape[1]
         return (self.q.float().view(self.q.shape[0], -1, gs) * self.scale.unsqueeze(-1)).view(self.q.shape)
 
+    def dequantize_into(self, out: torch.Tensor, rows: int = 4096) -> None:
+        """``out.copy_(self.dequantized())`` a chunk of rows at a time: the same values without two
+        float32 copies of the whole weight (2 GB for a 1B model's 128256-row output head)."""
+        gs = self.q.shape[1] // self.scale.shape[1]
+        for r0 in range(0, self.q.shape[0], rows):
+            q = self.q[r0 : r0 + rows]
+            out[r0 : r0 + rows].copy_((q.float().view(q.shape[0], -1, gs)
+                                       * self.scale[r0 : r0 + rows].unsqueeze(-1)).view(q.shape))
+
     def to(self, device: torch.device) -> "GptqLayerResult":
         return GptqLayerResult(self.q.to(device), self.scale.to(device), self.rel_error_rtn, self.rel_error_gptq,
                                self.damp)
@@ -117,13 +126,16 @@ def initial_scales(w: torch.Tensor, scheme: WeightScheme, how: ScaleInit,
 
 def _quadratic_error(delta: torch.Tensor, h: torch.Tensor) -> float:
     """``sum_i delta_i^T H delta_i`` = squared output error on the inputs that built ``H``."""
-    return float(((delta @ h) * delta).sum())
+    return float((delta @ h).mul_(delta).sum())
 
 
 #: float64 bytes one chunk of rows may hold per working matrix: GPTQ's rows are independent given
 #: the Hessian, and a 128256 x 2048 output head in float64 is 2.1 GB a copy (a 1B-class model's
-#: ptq_int8 peaked at 22.5 GB RSS on the CPU before rows were chunked)
+#: ptq_int8 peaked at 22.5 GB RSS on the CPU before rows were chunked). On the CPU a chunk's five
+#: or so working matrices are the process's peak RSS, so it takes :data:`CPU_CHUNK_BYTES`; a GPU
+#: keeps the larger chunk (fewer eager column loops for an output head)
 CHUNK_BYTES = 256 * 2**20
+CPU_CHUNK_BYTES = 64 * 2**20
 
 
 def _check_damp(damp: Damp) -> None:
@@ -134,10 +146,22 @@ def _check_damp(damp: Damp) -> None:
         raise ValueError(f"damp={damp} must lie in (0, 1)")
 
 
-def _inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``; raises LinAlgError if not PD."""
-    hd = h + damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hd)), upper=True)
+def _inverse_factor(h: torch.Tensor, damp: float, *, consume: bool = False) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``; raises LinAlgError if not PD.
+
+    One step at a time, each intermediate freed before the next, and with ``consume`` the damping
+    added to ``h`` itself (the caller's to give up): an 8192-input Linear's Hessian is 512 MiB in
+    float64, and the one-expression form held five such matrices at once (the peak RSS of a
+    1B-class model's ``ptq_int8`` on the CPU)."""
+    hd = h if consume else h.clone()
+    hd.diagonal().add_(damp * torch.mean(torch.diag(h)))
+    del h
+    factor = torch.linalg.cholesky(hd)
+    del hd
+    inverse = torch.cholesky_inverse(factor)
+    del factor
+    hinv = torch.linalg.cholesky(inverse, upper=True)
+    del inverse
     if not bool(torch.isfinite(hinv).all()):
         raise torch.linalg.LinAlgError("non-finite inverse Hessian factor")
     return hinv
@@ -180,6 +204,7 @@ def gptq_layers(
     scale_init: ScaleInit = "absmax",
     rows_per_chunk: int | None = None,
     damp_ladder: tuple[float, ...] = DAMP_LADDER,
+    consume_hessian: bool = False,
 ) -> list[GptqLayerResult]:
     """:func:`gptq_layer` for Linears that read the same input (q/k/v, gate/up): one Hessian, one
     inverse factor, and their rows stacked through one column loop. Why: GPTQ's rows are
@@ -187,7 +212,9 @@ def gptq_layers(
     it gets alone, with one column loop instead of one per layer (the loop's per-column steps
     are what a GPU spends its time on). Each result carries its own layer's errors.
 
-    ``damp="auto"`` chooses per layer, so there each weight runs on its own."""
+    ``damp="auto"`` chooses per layer, so there each weight runs on its own. ``consume_hessian``:
+    the caller gives a float64 ``hessian`` up, and it is changed in place instead of copied (512 MiB
+    for an 8192-input Linear)."""
     if not weights:
         raise ValueError("gptq_layers needs at least one weight")
     _check_damp(damp)
@@ -203,43 +230,51 @@ def gptq_layers(
     if in_f % gs:
         raise ValueError(f"group_size={gs} does not divide in_features={in_f}")
 
-    h = hessian.detach().double().clone()
-    col_weight = torch.diag(h).clamp_min(0.0).float() if scale_init == "output_mse" else None
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1.0
-    h_ref = h.clone()
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(in_f, device=h.device)
+    if hessian.dtype != torch.float64:
+        h_ref = hessian.detach().double()  # a new tensor already
+    else:
+        h_ref = hessian.detach() if consume_hessian else hessian.detach().clone()
+    del hessian
+    col_weight = torch.diag(h_ref).clamp_min(0.0).float() if scale_init == "output_mse" else None
+    dead = torch.diag(h_ref) == 0
+    h_ref[dead, dead] = 1.0  # the undamped Hessian the errors are measured on
+    perm = torch.argsort(torch.diag(h_ref), descending=True) if act_order else torch.arange(in_f, device=h_ref.device)
     inv_perm = torch.argsort(perm)
-    h = h[perm][:, perm]
+
+    def permuted() -> torch.Tensor:  # one gather, no intermediate copy
+        return h_ref[perm.unsqueeze(1), perm]
 
     def scales_of(w_orig: torch.Tensor) -> torch.Tensor:
         return initial_scales(w_orig, scheme, scale_init, col_weight)
 
     done = None  # (q, scale) of every row when the ladder already ran on all of them
     if damp == "auto":
-        damp, hinv, done = _auto_damp(weights[0], h, h_ref, scheme, dead, perm, inv_perm, gs, block_size, scales_of,
-                                      damp_ladder)
+        damp, hinv, done = _auto_damp(weights[0], permuted(), h_ref, scheme, dead, perm, inv_perm, gs, block_size,
+                                      scales_of, damp_ladder)
     else:
         try:
-            hinv = _inverse_factor(h, damp)
+            hinv = _inverse_factor(permuted(), damp, consume=True)
         except torch.linalg.LinAlgError as exc:  # pragma: no cover - damp makes H positive definite in practice
             raise ValueError(f"GPTQ: the Hessian is not positive definite even with damp={damp}; raise damp "
                              "(or use damp: auto)") from exc
-    del h
 
-    rows = rows_per_chunk or max(1, CHUNK_BYTES // (in_f * 8))
+    chunk = CHUNK_BYTES if weights[0].is_cuda else min(CHUNK_BYTES, CPU_CHUNK_BYTES)
+    rows = rows_per_chunk or max(1, chunk // (in_f * 8))
     stacked = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
     if done is not None:
         q_all, scale_all = done[0].to(torch.int8), done[1].float()
-    else:
-        qs, scales = [], []
+    else:  # filled a chunk at a time: no list of chunks beside the whole (a 1B model's head: 250 MiB each)
+        q_all = torch.empty(stacked.shape, dtype=torch.int8, device=stacked.device)
+        scale_all = None
         for r0 in range(0, stacked.shape[0], rows):
             w_orig = stacked[r0 : r0 + rows].float()
             scale = scales_of(w_orig)
-            qs.append(_gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs, block_size,
-                                 scale)[0].to(torch.int8))
-            scales.append(scale.float())
-        q_all, scale_all = torch.cat(qs), torch.cat(scales)
+            if scale_all is None:
+                scale_all = torch.empty((stacked.shape[0], scale.shape[1]), dtype=torch.float32, device=scale.device)
+            q_all[r0 : r0 + rows] = _gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs,
+                                               block_size, scale)[0]
+            scale_all[r0 : r0 + rows] = scale
+            del w_orig
     del stacked
     results, r0 = [], 0
     for weight in weights:
@@ -257,14 +292,17 @@ def _relative_errors(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     (what the calibration inputs actually see), a chunk of rows at a time."""
     gs = weight.shape[1] // scale.shape[1]
     ref = err_rtn = err_gptq = 0.0
-    for r0 in range(0, weight.shape[0], rows):
+    for r0 in range(0, weight.shape[0], rows):  # differences formed in place: two float64 chunks at a time
         w_orig = weight.detach()[r0 : r0 + rows].float()
         w64 = w_orig.double()
         ref += _quadratic_error(w64, h_ref)
-        gptq_dq = q[r0 : r0 + rows].double() * scale[r0 : r0 + rows].double().repeat_interleave(gs, dim=1)
-        rtn_dq = qdq_weight(w_orig, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8)).double()
-        err_rtn += _quadratic_error(rtn_dq - w64, h_ref)
-        err_gptq += _quadratic_error(gptq_dq - w64, h_ref)
+        delta = q[r0 : r0 + rows].double().view(w64.shape[0], -1, gs)
+        delta.mul_(scale[r0 : r0 + rows].double().unsqueeze(-1))
+        err_gptq += _quadratic_error(delta.view(w64.shape).sub_(w64), h_ref)
+        delta = qdq_weight(w_orig, WeightScheme(scheme.bits, scheme.group_size, scheme.act_int8)).double()
+        del w_orig
+        err_rtn += _quadratic_error(delta.sub_(w64), h_ref)
+        del delta, w64
     denom = max(ref, 1e-30)
     return err_rtn / denom, err_gptq / denom
 
@@ -337,8 +375,8 @@ def _column_loop(w_orig: torch.Tensor, hinv: torch.Tensor, dead: torch.Tensor, p
     (masks by ``masked_fill``, group scales by ``expand``), so that a CUDA graph can capture it."""
     qmin, qmax = qrange
     n_c, in_f = hinv.shape[0], w_orig.shape[1]
-    w = w_orig.double().masked_fill(dead, 0.0)
-    w = w[:, perm].unsqueeze(0).repeat(n_c, 1, 1)  # [C, rows, in]
+    w = w_orig.double()[:, perm].masked_fill_(dead[perm], 0.0)  # one float64 copy, in GPTQ's column order
+    w = w.unsqueeze(0) if n_c == 1 else w.unsqueeze(0).repeat(n_c, 1, 1)  # [C, rows, in]
     scale64 = scale.double()
     col_scale = scale64.unsqueeze(-1).expand(*scale64.shape, gs).reshape(scale64.shape[0], -1)[:, perm]
     q = torch.zeros_like(w)
@@ -667,9 +705,11 @@ def _gptq_model(
             for name in group[1:]:
                 del collector.h[name]
             outs = gptq_layers([lin.weight for lin in lins], hessian, targets[group[0]], damp=damp,
-                               block_size=block_size, act_order=act_order, scale_init=scale_init)
+                               block_size=block_size, act_order=act_order, scale_init=scale_init,
+                               consume_hessian=damp != "auto")
+            del hessian
             for name, lin, res in zip(group, lins, outs):
-                lin.weight.data.copy_(res.dequantized().to(lin.weight.dtype))
+                res.dequantize_into(lin.weight.data)
                 result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
         result.solve_s += _clock(device or home) - t0
         if log:
