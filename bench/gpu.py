@@ -425,8 +425,10 @@ def section_scale(args, budget: Budget) -> list[dict]:
             "steps": 2 if args.smoke else 10, "seq_len": 64 if args.smoke else 512,
             "batch": {"micro_batch_size": 2 if args.smoke else 4}, "optimizer": {"lr": 2e-5}}]
     rows = []
-    for name, stages in (("awq+gptq", quant), ("qat", qat)):
-        cfg = _stage_config(f"scale-{name}", model, stages, args.device, dtype="bfloat16",
+    # the calibration stages on weights loaded in bfloat16, as a user would load a 1B model (no fp32
+    # copy first); QAT keeps fp32 master weights
+    for name, stages, loaded in (("awq+gptq", quant, dict(model, dtype="bfloat16")), ("qat", qat, model)):
+        cfg = _stage_config(f"scale-{name}", loaded, stages, args.device, dtype="bfloat16",
                             calibration_tokens=1024 if args.smoke else 4096)
         rows += _stage_rows(f"{shape} {name} on {args.device}", run_child("pipeline", {"config": cfg}, budget, cap=300))
     return rows
