@@ -67,11 +67,12 @@ class GptqLayerResult:
     damp: float = 0.01
 
     def dequantized(self) -> torch.Tensor:
-        gs = self.q.shape[1] // self.scale.shape[1]
-        return (self.q.float().view(self.q.shape[0], -1, gs) * self.scale.unsqueeze(-1)).view(self.q.shape)
+        out = torch.empty(self.q.shape, dtype=torch.float32, device=self.q.device)
+        self.dequantize_into(out)
+        return out
 
     def dequantize_into(self, out: torch.Tensor, rows: int = 4096) -> None:
-        """``out.copy_(self.dequantized())`` a chunk of rows at a time: the same values without two
+        """The float32 values ``q * scale`` written into ``out`` a chunk of rows at a time: no two
         float32 copies of the whole weight (2 GB for a 1B model's 128256-row output head)."""
         gs = self.q.shape[1] // self.scale.shape[1]
         for r0 in range(0, self.q.shape[0], rows):
@@ -265,12 +266,10 @@ def gptq_layers(
         q_all, scale_all = done[0].to(torch.int8), done[1].float()
     else:  # filled a chunk at a time: no list of chunks beside the whole (a 1B model's head: 250 MiB each)
         q_all = torch.empty(stacked.shape, dtype=torch.int8, device=stacked.device)
-        scale_all = None
+        scale_all = torch.empty((stacked.shape[0], in_f // gs), dtype=torch.float32, device=stacked.device)
         for r0 in range(0, stacked.shape[0], rows):
             w_orig = stacked[r0 : r0 + rows].float()
             scale = scales_of(w_orig)
-            if scale_all is None:
-                scale_all = torch.empty((stacked.shape[0], scale.shape[1]), dtype=torch.float32, device=scale.device)
             q_all[r0 : r0 + rows] = _gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs,
                                                block_size, scale)[0]
             scale_all[r0 : r0 + rows] = scale
