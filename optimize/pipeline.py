@@ -39,7 +39,7 @@ from optimize.gates_config import GatesConfig, MetricGoal
 from optimize.measure import RunState, measure_eager, measure_runner, score_tasks
 from optimize.progress import Callback, Progress
 from optimize.report import Metrics, Report, StageRow, write_report
-from optimize.resources import PeakMemory
+from optimize.resources import PeakMemory, release_free_heap
 from optimize.stage_api import StageContext, get_stage, restorers
 
 log = logging.getLogger("optimize")
@@ -252,6 +252,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
         say(f"stage {label}: {spec.description}")
         row = StageRow(index=i, name=label, kind=stage_cfg.kind)
         t0 = time.perf_counter()
+        release_free_heap()  # what the last row's checks freed: the row starts from what is in use
         meter = PeakMemory(device).start()
         ctx = StageContext(tokenizer=tokenizer, calibration=state.calibration, train_ids=state.train_ids,
                            target=profile, work_dir=run_dir / "work" / f"{i:02d}-{stage_cfg.kind}", seed=cfg.seed,
@@ -264,6 +265,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
             model = spec.fn(model, stage_cfg, ctx)
             if model is None:
                 raise RuntimeError(f"stage {stage_cfg.kind!r} returned None instead of the model")
+            release_free_heap()  # what the stage freed, before the checks' logits are allocated
             model = place(model, device, dtype)  # a stage that built new modules may have left them elsewhere
             model.eval()
             state.quantized = state.quantized or stage_cfg.quant_scheme() is not None

@@ -16,6 +16,10 @@ of allocated memory, reset the same way.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
+
 import torch
 from pydantic import BaseModel, Field
 
@@ -96,3 +100,29 @@ class PeakMemory:
         rnd = (lambda v: None if v is None else round(v, 1))
         return Resources(device=str(self.device), peak_rss_mb=rnd(peak), peak_rss_delta_mb=rnd(delta),
                          peak_cuda_mb=rnd(cuda))
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl): nothing to call
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Give the heap memory a phase freed back to the OS (glibc's ``malloc_trim(0)``); False where
+    there is no glibc.
+
+    Why: glibc keeps freed small and medium blocks resident for reuse, but large allocations (a
+    window's logits, a float64 Hessian) are mapped fresh and never reuse them, so after a phase
+    that allocated and freed gigabytes the next phase's peak sits on top of memory nobody uses.
+    A 1B-class model's run (4 blocks, the head at full size) peaked 420 MiB lower with the heap
+    trimmed between stages and after each GPTQ block, with the same results. It takes milliseconds."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+

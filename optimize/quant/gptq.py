@@ -29,18 +29,13 @@ a value whose Cholesky factorisation fails is skipped (and the ladder continues 
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
-from torch import nn
 
-from optimize.device import model_device, on_device
-from optimize.quant.block_inputs import BlockChain
-from optimize.quant.fakequant import WeightScheme, qdq_act, qdq_weight, weight_scales
-from optimize.quant.host_independent import computing_in
-from train.model_parts import block_of, decoder_blocks
+from optimize.quant.fakequant import WeightScheme, qdq_weight, weight_scales
+from optimize.quant.gptq_rows import gptq_rows
 
 ScaleInit = Literal["absmax", "hqq", "mse", "output_mse"]
 Damp = float | Literal["auto"]
@@ -52,6 +47,12 @@ DAMP_FALLBACK = (0.3, 0.9)
 #: ``damp="auto"`` compares the ladder on at most this many rows of a layer (evenly spaced); a layer
 #: with no more rows keeps the winning candidate's integers as they are (no extra pass)
 AUTO_DAMP_ROWS = 256
+
+
+def grid_values(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values ``q * scale`` of some rows: each group of ``in / n_groups`` columns
+    times its row's scale for that group (``q`` ``[rows, in]``, ``scale`` ``[rows, n_groups]``)."""
+    return (q.float().unflatten(-1, (scale.shape[1], -1)) * scale.float().unsqueeze(-1)).flatten(-2)
 
 
 @dataclass
@@ -74,11 +75,8 @@ class GptqLayerResult:
     def dequantize_into(self, out: torch.Tensor, rows: int = 4096) -> None:
         """The float32 values ``q * scale`` written into ``out`` a chunk of rows at a time: no two
         float32 copies of the whole weight (2 GB for a 1B model's 128256-row output head)."""
-        gs = self.q.shape[1] // self.scale.shape[1]
         for r0 in range(0, self.q.shape[0], rows):
-            q = self.q[r0 : r0 + rows]
-            out[r0 : r0 + rows].copy_((q.float().view(q.shape[0], -1, gs)
-                                       * self.scale[r0 : r0 + rows].unsqueeze(-1)).view(q.shape))
+            out[r0 : r0 + rows].copy_(grid_values(self.q[r0 : r0 + rows], self.scale[r0 : r0 + rows]))
 
     def to(self, device: torch.device) -> "GptqLayerResult":
         return GptqLayerResult(self.q.to(device), self.scale.to(device), self.rel_error_rtn, self.rel_error_gptq,
@@ -270,7 +268,7 @@ def gptq_layers(
         for r0 in range(0, stacked.shape[0], rows):
             w_orig = stacked[r0 : r0 + rows].float()
             scale = scales_of(w_orig)
-            q_all[r0 : r0 + rows] = _gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs,
+            q_all[r0 : r0 + rows] = gptq_rows(w_orig, scheme, hinv.unsqueeze(0), dead, perm, inv_perm, gs,
                                                block_size, scale)[0]
             scale_all[r0 : r0 + rows] = scale
             del w_orig
@@ -279,9 +277,12 @@ def gptq_layers(
     for weight in weights:
         r1 = r0 + weight.shape[0]
         q, scale = q_all[r0:r1], scale_all[r0:r1]
+        if len(weights) > 1:  # each layer's own storage: an installed layer then holds its rows, not the stack's
+            q, scale = q.clone(), scale.clone()
         rtn, gptq = _relative_errors(weight, q, scale, scheme, h_ref, rows)
         results.append(GptqLayerResult(q=q, scale=scale, rel_error_rtn=rtn, rel_error_gptq=gptq, damp=float(damp)))
         r0 = r1
+    del q_all, scale_all
     return results
 
 
@@ -337,7 +338,7 @@ def _auto_damp(weight: torch.Tensor, h: torch.Tensor, h_ref: torch.Tensor, schem
                     continue
             if not ok:
                 continue
-            qc = _gptq_rows(w_s, scheme, torch.stack(hinvs), dead, perm, inv_perm, gs, block_size, scale)
+            qc = gptq_rows(w_s, scheme, torch.stack(hinvs), dead, perm, inv_perm, gs, block_size, scale)
             dq_scale = scale.double().repeat_interleave(gs, dim=1)
             for d, hinv, q in zip(ok, hinvs, qc):
                 err = _quadratic_error(q * dq_scale - w64, h_ref)
@@ -350,417 +351,3 @@ def _auto_damp(weight: torch.Tensor, h: torch.Tensor, h_ref: torch.Tensor, schem
         raise ValueError(f"GPTQ: the Hessian is not positive definite with any damp in {ladder + DAMP_FALLBACK}")
     _, d, hinv, q = best
     return d, hinv, ((q, scale) if idx is None else None)
-
-
-def _gptq_rows(w_orig: torch.Tensor, scheme: WeightScheme, hinv: torch.Tensor, dead: torch.Tensor,
-               perm: torch.Tensor, inv_perm: torch.Tensor, gs: int, block_size: int,
-               scale: torch.Tensor) -> torch.Tensor:
-    """GPTQ's column loop over some rows of the weight, once per inverse factor in ``hinv``
-    (``[C, in, in]``, permuted; candidates of ``damp="auto"`` share one loop): the integers as
-    float64 in input order, ``[C, rows, in]``. ``scale`` (``[rows, n_groups]``) is fixed.
-
-    On CUDA, inside :func:`gptq_model`, the loop replays as a CUDA graph (:class:`RowGraphs`)."""
-    args = (w_orig, hinv, dead, perm, inv_perm, scale)
-    statics = (scheme.qrange, gs, block_size)
-    if _ROW_GRAPHS is not None and _ROW_GRAPHS.wants(w_orig, hinv):
-        return _ROW_GRAPHS.run(args, statics)
-    return _column_loop(*args, *statics)
-
-
-def _column_loop(w_orig: torch.Tensor, hinv: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor,
-                 inv_perm: torch.Tensor, scale: torch.Tensor, qrange: tuple[int, int], gs: int,
-                 block_size: int) -> torch.Tensor:
-    """:func:`_gptq_rows`'s arithmetic, with no host synchronisation and no data-dependent shape
-    (masks by ``masked_fill``, group scales by ``expand``), so that a CUDA graph can capture it."""
-    qmin, qmax = qrange
-    n_c, in_f = hinv.shape[0], w_orig.shape[1]
-    w = w_orig.double()[:, perm].masked_fill_(dead[perm], 0.0)  # one float64 copy, in GPTQ's column order
-    w = w.unsqueeze(0) if n_c == 1 else w.unsqueeze(0).repeat(n_c, 1, 1)  # [C, rows, in]
-    scale64 = scale.double()
-    col_scale = scale64.unsqueeze(-1).expand(*scale64.shape, gs).reshape(scale64.shape[0], -1)[:, perm]
-    q = torch.zeros_like(w)
-    for i1 in range(0, in_f, block_size):
-        i2 = min(i1 + block_size, in_f)
-        w1 = w[:, :, i1:i2].clone()
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[:, i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = w1[:, :, i]
-            s = col_scale[:, i1 + i]
-            qi = torch.clamp(torch.round(col / s), qmin, qmax)
-            q[:, :, i1 + i] = qi
-            e = (col - qi * s) / hinv1[:, i, i].unsqueeze(1)
-            w1[:, :, i:] -= e.unsqueeze(2) * hinv1[:, i, i:].unsqueeze(1)
-            err1[:, :, i] = e
-        for c in range(n_c):  # one 2-D product per candidate: the same float path as a single one
-            w[c, :, i2:] -= err1[c] @ hinv[c, i1:i2, i2:]
-    return q[:, :, inv_perm]
-
-
-class RowGraphs:
-    """GPTQ's column loop as CUDA graphs, one per shape, replayed for every layer of that shape.
-
-    Why: the loop launches about ten small kernels per input column (a 135M model has 150k
-    columns over its Linears); on a GPU each launch's host-side cost outweighs its work, and a
-    graph replays the whole loop with one launch. Layers of one model repeat a handful of shapes,
-    so each graph is captured once and replayed per block.
-
-    Exactness is checked, not assumed: the first replay of every graph is compared with the eager
-    loop on the same inputs, and any difference (or a failed capture) turns graphs off for the
-    rest of the run, which then computes eagerly. Large layers (an output head) run eagerly:
-    there the kernels' own work dominates and a graph's private memory would be large."""
-
-    #: working-matrix elements (candidates x rows x in) above which the loop runs eagerly
-    MAX_ELEMENTS = 2**23
-    #: graphs kept at once (each holds its own memory pool)
-    MAX_GRAPHS = 16
-
-    def __init__(self) -> None:
-        self.graphs: dict[tuple, tuple] = {}  # key -> (graph, static inputs, static output, replays)
-        self.disabled: str | None = None
-        self.captured = self.replayed = 0
-
-    def wants(self, w_orig: torch.Tensor, hinv: torch.Tensor) -> bool:
-        return (self.disabled is None and w_orig.is_cuda and hinv.is_cuda
-                and hinv.shape[0] * w_orig.numel() <= self.MAX_ELEMENTS)
-
-    def run(self, args: tuple[torch.Tensor, ...], statics: tuple) -> torch.Tensor:
-        key = (statics, tuple((tuple(a.shape), a.dtype, a.device) for a in args))
-        entry = self.graphs.get(key)
-        if entry is None:
-            return self._capture(key, args, statics)
-        graph, static_in, static_out, replays = entry
-        for dst, src in zip(static_in, args):
-            dst.copy_(src)
-        graph.replay()
-        out = static_out.clone()
-        self.replayed += 1
-        if replays == 0:  # the first replay: proven against the eager loop once per graph
-            eager = _column_loop(*args, *statics)
-            if not torch.equal(out, eager):
-                self._off("a replay differed from the eager loop")
-                return eager
-        self.graphs[key] = (graph, static_in, static_out, replays + 1)
-        return out
-
-    def _capture(self, key: tuple, args: tuple[torch.Tensor, ...], statics: tuple) -> torch.Tensor:
-        if len(self.graphs) >= self.MAX_GRAPHS:
-            self.graphs.clear()
-        static_in = tuple(a.clone() for a in args)
-        stream = torch.cuda.Stream(device=args[0].device)
-        stream.wait_stream(torch.cuda.current_stream(args[0].device))
-        with torch.cuda.stream(stream):  # warm-up off the capture (cuBLAS workspaces); its result is this call's
-            out = _column_loop(*static_in, *statics)
-        torch.cuda.current_stream(args[0].device).wait_stream(stream)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = _column_loop(*static_in, *statics)
-        except Exception as exc:  # noqa: BLE001 - any capture failure: compute eagerly from here on
-            self._off(f"capture failed: {type(exc).__name__}: {str(exc)[:200]}")
-            return out
-        self.graphs[key] = (graph, static_in, static_out, 0)
-        self.captured += 1
-        return out
-
-    def _off(self, why: str) -> None:
-        self.disabled = why
-        self.graphs.clear()
-
-    def summary(self) -> dict:
-        return {"captured": self.captured, "replayed": self.replayed, "disabled": self.disabled}
-
-
-#: the graphs of the :func:`gptq_model` run in progress (None: the column loop runs eagerly)
-_ROW_GRAPHS: RowGraphs | None = None
-
-
-class HessianCollector:
-    """Accumulates ``sum x x^T`` over the inputs a set of Linears receive (one Hessian per input)."""
-
-    def __init__(self, model: nn.Module, names: list[str], scheme: WeightScheme | None = None):
-        self.model, self.scheme = model, scheme
-        self.h: dict[str, torch.Tensor] = {}
-        self.tokens: dict[str, int] = {}
-        # q/k/v (and gate/up) receive the very same input tensor one after another: its x^T x is
-        # computed once and reused while that tensor is unchanged
-        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
-        self._handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
-
-    def _outer(self, inp: torch.Tensor) -> torch.Tensor:
-        last = self._last
-        if last is not None and last[0] is inp and last[1] == inp._version:
-            return last[2]
-        x = inp.detach()
-        x = (x if x.dtype == torch.float64 else x.float()).reshape(-1, inp.shape[-1])  # float64 calibration stays so
-        if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
-            x = qdq_act(x, self.scheme)
-        x = x.double()
-        xtx = x.t() @ x
-        self._last = (inp, inp._version, xtx)
-        return xtx
-
-    def _hook(self, name: str) -> Callable:
-        def fn(_mod, args):
-            xtx = self._outer(args[0])
-            if name not in self.h:
-                self.h[name] = torch.zeros_like(xtx)
-                self.tokens[name] = 0
-            self.h[name] += xtx
-            self.tokens[name] += args[0].numel() // args[0].shape[-1]
-
-        return fn
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._last = None
-
-
-class _StopForward(Exception):
-    pass
-
-
-def _untie(model: nn.Module, names: list[str]) -> None:
-    """Give each target Linear its own weight if it shares one (a tied lm_head shares the embedding)."""
-    owners: dict[int, int] = {}
-    for mod in model.modules():
-        for p in mod.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    for n in names:
-        lin = model.get_submodule(n)
-        if owners.get(id(lin.weight), 0) > 1:
-            lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
-
-
-@dataclass
-class GptqRunResult:
-    layers: dict[str, GptqLayerResult] = field(default_factory=dict)
-    tokens: int = 0
-    #: the blocks (or "outside blocks") calibrated, in order
-    steps: list[str] = field(default_factory=list)
-    #: seconds in the calibration forwards (Hessians) and in GPTQ's solves, summed over the blocks
-    calibrate_s: float = 0.0
-    solve_s: float = 0.0
-    #: :meth:`RowGraphs.summary` where the column loop ran as CUDA graphs
-    cuda_graphs: dict | None = None
-
-    def summary(self) -> dict:
-        rtn = [r.rel_error_rtn for r in self.layers.values()]
-        gq = [r.rel_error_gptq for r in self.layers.values()]
-        n = max(len(rtn), 1)
-        return {
-            "layers": len(self.layers),
-            "calibration_tokens": self.tokens,
-            "mean_rel_output_error_rtn": round(sum(rtn) / n, 6),
-            "mean_rel_output_error_gptq": round(sum(gq) / n, 6),
-            "output_error_reduction": round(1.0 - sum(gq) / max(sum(rtn), 1e-30), 4),
-            "damp_counts": _counts(r.damp for r in self.layers.values()),
-            "damp_by_projection": {kind: _counts(r.damp for n, r in self.layers.items() if n.rsplit(".", 1)[-1] == kind)
-                                   for kind in sorted({n.rsplit(".", 1)[-1] for n in self.layers})},
-        }
-
-    def timing(self) -> dict:
-        """Where the run's time went (apart from :meth:`summary`, whose figures repeat run to run)."""
-        return {"calibrate_s": round(self.calibrate_s, 2), "solve_s": round(self.solve_s, 2),
-                **({"cuda_graphs": self.cuda_graphs} if self.cuda_graphs else {})}
-
-
-def shared_input_groups(names: list[str], hessians: dict[str, torch.Tensor],
-                        targets: dict[str, WeightScheme]) -> list[list[str]]:
-    """``names`` grouped by identical Hessian and scheme, in first-seen order: the Linears that
-    read one input (q/k/v, gate/up) accumulated the very same ``x^T x`` sums, so equality is exact."""
-    groups: list[list[str]] = []
-    for name in names:
-        for group in groups:
-            first = group[0]
-            if targets[first] == targets[name] and torch.equal(hessians[first], hessians[name]):
-                group.append(name)
-                break
-        else:
-            groups.append([name])
-    return groups
-
-
-def _clock(device: torch.device) -> float:
-    """Wall time after the device's queued work (CUDA runs ahead of the host)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _counts(values) -> dict[str, int]:
-    """How many layers used each damping fraction, smallest first (keys as ``f"{d:g}"``)."""
-    out: dict[float, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return {f"{k:g}": out[k] for k in sorted(out)}
-
-
-@torch.no_grad()
-def gptq_model(
-    model: nn.Module,
-    targets: dict[str, WeightScheme],
-    windows: list[torch.Tensor],
-    *,
-    damp: Damp = 0.01,
-    block_size: int = 128,
-    act_order: bool = True,
-    scale_init: ScaleInit = "absmax",
-    log: Callable[[str], None] | None = None,
-    device: torch.device | None = None,
-    progress: Callable[..., None] | None = None,
-    calibration_dtype: torch.dtype | None = None,
-) -> GptqRunResult:
-    """Sequential GPTQ over the named Linears, with the calibration forward in ``calibration_dtype``.
-
-    ``calibration_dtype`` (e.g. float64): the model is cast to it for the calibration forwards
-    and back to its own dtype afterwards (both casts exact: fp32/bf16 values are float64 values,
-    and the installed weights are GPTQ's grid values). Why: in fp32 the activations that build the
-    Hessians differ in their last bits between the CPU's vector paths (``ATEN_CPU_CAPABILITY``
-    default/avx2/avx512), GPTQ's rounding decisions follow them, and 19% of SmolLM2's int4 weights
-    (its first six blocks) came out different between two paths of one machine; with the forward
-    in float64, none did (:mod:`optimize.quant.host_independent`). See :func:`_gptq_model` for the
-    algorithm.
-    """
-    global _ROW_GRAPHS
-    graphs = _ROW_GRAPHS = RowGraphs()
-    try:
-        with computing_in(model, calibration_dtype):
-            result = _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
-                                 scale_init=scale_init, log=log, device=device, progress=progress)
-    finally:
-        _ROW_GRAPHS = None
-        graphs.graphs.clear()
-    if graphs.captured or graphs.disabled:
-        result.cuda_graphs = graphs.summary()
-    return result
-
-
-def _gptq_model(
-    model: nn.Module,
-    targets: dict[str, WeightScheme],
-    windows: list[torch.Tensor],
-    *,
-    damp: Damp = 0.01,
-    block_size: int = 128,
-    act_order: bool = True,
-    scale_init: ScaleInit = "absmax",
-    log: Callable[[str], None] | None = None,
-    device: torch.device | None = None,
-    progress: Callable[..., None] | None = None,
-) -> GptqRunResult:
-    """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
-
-    Each decoder block calibrates on what the blocks before it, already quantized, output for
-    the calibration windows (cached between blocks by
-    :class:`~optimize.quant.block_inputs.BlockChain`, so each block runs twice per window: once
-    to calibrate, once quantized to feed the next; the head then reads the chain's last outputs;
-    models whose blocks do not simply feed each other run the model prefix again for every
-    block, as before); the block's Linears are then quantized from the
-    Hessians of the inputs they received, and their fp32 weights replaced by the de-quantized
-    GPTQ values (exactly on the grid), so later blocks calibrate on what the quantized model
-    computes. Linears outside the decoder blocks (``lm_head``) come last.
-    The caller turns the returned integers and scales into its runtime's tensors.
-
-    ``device`` is where the blocks compute. With the chain, a model kept elsewhere (a large model
-    on the CPU, the GPU as ``device``) has one decoder block at a time moved there, together
-    with the carried hidden states, and back once it is quantized; what lies outside the blocks
-    (and the slower path without the chain) runs where the model is. None, or the model's own
-    device: everything runs where the model is. The windows are moved to the model.
-    """
-    if not windows:
-        raise ValueError("GPTQ needs calibration windows (ctx.calibration is empty)")
-    home = model_device(model)
-    windows = [w.to(home) for w in windows]
-    blocks = [name for name, _ in decoder_blocks(model)]
-    _untie(model, list(targets))
-    stages: dict[str | None, list[str]] = {}
-    for name in targets:
-        stages.setdefault(block_of(name, blocks), []).append(name)
-    order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
-    result = GptqRunResult()
-
-    def calibrate_and_quantize(names: list[str], feed: Callable[[], None], label: str) -> None:
-        """Feed the windows with Hessian hooks on ``names``, then GPTQ them."""
-        t_feed = _clock(device or home)
-        collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
-        try:
-            feed()
-        finally:
-            collector.close()
-        result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
-        for name in names:
-            if name not in collector.h:
-                raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
-        t0 = _clock(device or home)
-        result.calibrate_s += t0 - t_feed
-        # GPTQ each group of Linears that read one input (q/k/v, gate/up) from its Hessian; install
-        # the de-quantized grid values
-        for group in shared_input_groups(names, collector.h, targets):
-            lins = [model.get_submodule(name) for name in group]
-            hessian = collector.h.pop(group[0])
-            for name in group[1:]:
-                del collector.h[name]
-            outs = gptq_layers([lin.weight for lin in lins], hessian, targets[group[0]], damp=damp,
-                               block_size=block_size, act_order=act_order, scale_init=scale_init,
-                               consume_hessian=damp != "auto")
-            del hessian
-            for name, lin, res in zip(group, lins, outs):
-                res.dequantize_into(lin.weight.data)
-                result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
-        result.solve_s += _clock(device or home) - t0
-        if log:
-            log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
-        if progress:  # a bar (step = block) on a terminal, an event for a run_pipeline callback
-            progress(len(result.steps) + 1, len(order), phase="gptq", message=str(label), layers=len(names))
-        result.steps.append(label)
-
-    chain = BlockChain.capture(model, blocks, windows) if blocks and any(b is not None for b in order) else None
-    if chain is not None and not chain.ok:
-        if log:
-            log(f"gptq: {chain.why}; calibrating each block from the model's input instead (slower)")
-        chain = None
-    rest = order
-    if chain is not None:
-        # each block calibrates on the cached outputs of the (already quantized) blocks before it:
-        # two forwards of that block per window instead of a forward through every earlier block
-        outside = None in stages
-        chain.to(device or home)
-        for i, block in enumerate(blocks):
-            with on_device(chain.mods[i], device):
-                if block in stages:
-                    calibrate_and_quantize(stages[block], lambda i=i: chain.run_block(i), block)
-                if i < len(blocks) - 1 or outside:
-                    chain.advance(i)
-        if outside:
-            # the Linears outside the blocks (lm_head) read what the quantized blocks output: the
-            # blocks answer from the chain, so only the embedding, final norm and head run again
-            def feed_from_chain():
-                for j, w in enumerate(windows):
-                    with chain.replay(j):
-                        model(w.view(1, -1), use_cache=False)
-
-            calibrate_and_quantize(stages[None], feed_from_chain, "outside blocks")
-        rest = []
-    for block in rest:
-        stop = None
-        if block is not None and block != blocks[-1]:
-            def _halt(_m, _a, _o):
-                raise _StopForward
-            stop = model.get_submodule(block).register_forward_hook(_halt)
-
-        def feed_from_input():
-            for w in windows:
-                try:
-                    model(w.view(1, -1))
-                except _StopForward:
-                    pass
-
-        try:
-            calibrate_and_quantize(stages[block], feed_from_input, block or "outside blocks")
-        finally:
-            if stop is not None:
-                stop.remove()
-    return result

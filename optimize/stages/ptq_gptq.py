@@ -2,7 +2,8 @@
 installing its integers and scales as the torchao tensors round-to-nearest would have produced
 (so the .pte lowers to XNNPACK unchanged).
 
-The algorithm itself lives in :mod:`optimize.quant.gptq`; this module is the stage's glue.
+The algorithm itself lives in :mod:`optimize.quant.gptq` (one layer) and
+:mod:`optimize.quant.gptq_sequential` (a model, block by block); this module is the stage's glue.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def install_integers(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bi
     from torchao.quantization import IntxUnpackedToInt8Tensor
     from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS, quantize_affine
 
+    from optimize.quant.gptq import grid_values
+
     target = torch.int4 if bits == 4 else torch.int8
     qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[target]
     groups = scale.shape[1]
@@ -56,7 +59,7 @@ def install_integers(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bi
     changed = 0
     for r0 in range(0, q.shape[0], INSTALL_ROWS):
         rows = slice(r0, r0 + INSTALL_ROWS)
-        deq = (q[rows].float().unflatten(-1, (groups, -1)) * scale32[rows].unsqueeze(-1)).flatten(-2)
+        deq = grid_values(q[rows], scale32[rows])
         back = quantize_affine(deq, block, scale32[rows], zero[rows], output_dtype=torch.int8, quant_min=qmin,
                                quant_max=qmax)
         changed += int((back != q[rows].to(back.device)).sum())
@@ -75,7 +78,7 @@ def install_integers(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bi
 def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: list[str], eight: list[str]) -> dict:
     """Run GPTQ over the int4 (``four``) and int8 (``eight``) Linears and install the results;
     returns the details for the report."""
-    from optimize.quant.gptq import gptq_model
+    from optimize.quant.gptq_sequential import gptq_model
     from optimize.quant.host_independent import resolve
 
     if not ctx.calibration:
@@ -86,16 +89,18 @@ def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: li
     model.eval()
     calib_dtype = resolve(model, opts.calibration_dtype, ctx.device)
     ctx.progress(phase="gptq", event="begin")
+
+    def install(name: str, r: GptqLayerResult) -> None:  # as soon as GPTQ is done with the layer
+        install_integers(model.get_submodule(name), r.q, r.scale, targets[name].bits)
+
     res = gptq_model(model, targets, ctx.calibration[: opts.calibration_windows], damp=opts.damp,
                      block_size=opts.block_size, act_order=opts.act_order, scale_init=opts.scale_init, log=ctx.log,
-                     device=ctx.device, progress=ctx.progress, calibration_dtype=calib_dtype)
+                     device=ctx.device, progress=ctx.progress, calibration_dtype=calib_dtype, install=install)
     ctx.progress(phase="gptq", event="end")
     model.train(was_training)
     summary = res.summary()
     ctx.details["gptq_timing"] = res.timing()
     if opts.damp == "auto" and ctx.log:
         ctx.log(f"gptq damp auto: layers per chosen damp {summary['damp_counts']}")
-    for name, r in res.layers.items():
-        install_integers(model.get_submodule(name), r.q, r.scale, targets[name].bits)
     used = calib_dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return {**summary, **opts.model_dump(), "calibration_dtype_used": str(used).removeprefix("torch.")}

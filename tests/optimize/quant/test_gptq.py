@@ -12,7 +12,8 @@ from torch import nn
 from optimize import load_config
 from optimize.errors import ConfigError
 from optimize.quant.fakequant import qdq_act_per_token, qdq_weight, scheme_for
-from optimize.quant.gptq import gptq_layer, gptq_model
+from optimize.quant.gptq import gptq_layer
+from optimize.quant.gptq_sequential import gptq_model
 from optimize.stage_api import StageContext, get_stage
 
 
@@ -101,38 +102,6 @@ def test_the_callers_hessian_is_left_alone_unless_given_up():
     assert torch.equal(given.q, alone.q) and given.rel_error_gptq == alone.rel_error_gptq
     assert not torch.equal(h, kept)  # its dead diagonal was set to 1 in place
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma", "phi3"])
-def test_gptq_model_groups_the_linears_that_read_one_input(model_type):
-    """The grouping the model run uses: equal Hessians (q/k/v, gate/up; Phi-3's fused qkv_proj and
-    gate_up_proj stand alone) are found exactly, and different inputs are never merged."""
-    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
-
-    from optimize.quant.gptq import HessianCollector, shared_input_groups
-    from train.model_parts import decoder_blocks
-
-    model = family(model_type).eval()
-    block = decoder_blocks(model)[0][0]
-    names = [n for n, m in model.named_modules() if n.startswith(block + ".") and isinstance(m, nn.Linear)]
-    scheme = scheme_for("8da4w", 32)
-    collector = HessianCollector(model, names, scheme)
-    with torch.no_grad():
-        model(torch.randint(1, 500, (1, 64), generator=torch.Generator().manual_seed(0)))
-    collector.close()
-    groups = shared_input_groups(names, collector.h, dict.fromkeys(names, scheme))
-    short = [[n.rsplit(".", 1)[-1] for n in g] for g in groups]
-    assert sorted(n for g in groups for n in g) == sorted(names)
-    for g in groups:
-        assert all(torch.equal(collector.h[g[0]], collector.h[n]) for n in g)
-    firsts = [g[0] for g in groups]
-    assert not any(torch.equal(collector.h[a], collector.h[b]) for i, a in enumerate(firsts) for b in firsts[i + 1:])
-    if model_type == "phi3":
-        assert len(groups) == len(names) == 4, short
-    else:
-        assert ["q_proj", "k_proj", "v_proj"] in short and ["gate_proj", "up_proj"] in short, short
-    # another scheme for one member splits it off
-    mixed = dict.fromkeys(names, scheme) | {names[1]: scheme_for("8da8w", None)}
-    assert [names[1]] in shared_input_groups(names, collector.h, mixed)
-
 def test_gptq_rejects_mismatched_shapes_and_bad_damp():
     w = torch.randn(8, 64)
     with pytest.raises(ValueError, match="do not match"):
@@ -183,7 +152,7 @@ def test_gptq_stage_in_bfloat16_keeps_its_integers(tiny_llama, tiny_cfg, tmp_pat
     """compute_dtype bfloat16 (a 1B model on a GPU): building the torchao tensor from a bf16 weight
     and a bf16 scale moved integers off GPTQ's grid ("GPTQ integers changed"). The tensor is built
     in fp32, then only its scale takes the model's dtype."""
-    from optimize.quant import gptq as gptq_mod
+    from optimize.quant import gptq_sequential as gptq_mod
 
     seen = {}
     real = gptq_mod.gptq_model
@@ -273,57 +242,6 @@ def test_pipeline_ships_the_mix_and_the_report_shows_it(tiny_cfg):
     assert again.row("export:executorch").details["quantization"]["exported_linear"] == exported
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "phi3", "opt", "gpt_neox"])
-def test_cached_block_inputs_give_the_prefix_rerun_result(model_type, monkeypatch):
-    """GPTQ calibrates each block on the cached outputs of the quantized blocks before it, and the
-    output head on the last block's (no block runs again); that must quantize exactly as
-    re-running the model prefix for every block and the whole model for the head (the old,
-    quadratic path). Covers sliding-window masks per layer type (gemma3_text, with a window
-    shorter than the text), fused projections (phi3), learned positions (opt) and parallel residuals
-    (gpt_neox)."""
-    import copy
-
-    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
-
-    from optimize.quant import gptq as gptq_mod
-    from optimize.quant.block_inputs import BlockChain
-    from optimize.quant.fakequant import WeightScheme
-    from train.model_parts import decoder_blocks
-
-    over = {"sliding_window": 16} if model_type == "gemma3_text" else {}
-    model = family(model_type, **over)
-    blocks = [n for n, _ in decoder_blocks(model)]
-    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
-    targets = {n: WeightScheme(4, 32, True) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (any(n.startswith(b + ".") for b in blocks) or n == head)
-               and m.in_features % 32 == 0}
-    assert head in targets  # the output head calibrates on the chain's last outputs (BlockChain.replay)
-    windows = [torch.randint(1, 500, (48,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
-
-    said: list[str] = []
-    cached = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows, log=said.append)
-    assert not [m for m in said if "calibrating each block from the model's input" in m], said
-
-    def refuse(cls, model, blocks, windows):
-        chain = cls(model, blocks)
-        chain.ok, chain.why = False, "forced by the test"
-        return chain
-
-    monkeypatch.setattr(BlockChain, "capture", classmethod(refuse))
-    rerun = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows, log=said.append)
-    assert [m for m in said if "forced by the test" in m]
-    assert targets and set(cached.layers) == set(rerun.layers) == set(targets)
-    for name in targets:
-        a, b = cached.layers[name], rerun.layers[name]
-        # the same integers up to float noise in the Hessians (at most 0.1% of them one step apart)
-        diff = (a.q.int() - b.q.int()).abs()
-        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) <= 1e-3, (name, int((diff > 0).sum()))
-        torch.testing.assert_close(a.scale, b.scale, rtol=1e-5, atol=1e-7)
-
-
-
-# ---- on a device: the pipeline's placement (whole model there) and one block at a time from the CPU
-
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")])]
 
@@ -378,31 +296,3 @@ def test_gptq_on_a_device_matches_the_cpu(model_type, device, tmp_path):
     assert placed_details["gptq"]["layers"] == cpu_details["gptq"]["layers"] > 0
     err = cpu_details["gptq"]["mean_rel_output_error_gptq"]
     assert placed_details["gptq"]["mean_rel_output_error_gptq"] == pytest.approx(err, rel=0.05)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "gemma"])
-def test_cuda_graphs_of_the_column_loop_give_the_eager_integers(model_type, monkeypatch):
-    """On CUDA the column loop replays as CUDA graphs: every layer's integers and scales equal the
-    eager loop's, the graphs were captured and replayed (not silently switched off)."""
-    import copy
-
-    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
-
-    import optimize.quant.gptq as gptq_mod
-
-    model = family(model_type).cuda().eval()
-    targets = {n: scheme_for("8da4w", 32) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and n != "lm_head"}
-    g = torch.Generator().manual_seed(5)
-    windows = [torch.randint(1, 500, (64,), generator=g) for _ in range(2)]
-    graphed = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows)
-    assert graphed.cuda_graphs and graphed.cuda_graphs["disabled"] is None, graphed.cuda_graphs
-    assert graphed.cuda_graphs["captured"] > 0 and graphed.cuda_graphs["replayed"] > 0
-    monkeypatch.setattr(gptq_mod.RowGraphs, "MAX_ELEMENTS", 0)
-    eager = gptq_mod.gptq_model(copy.deepcopy(model), targets, windows)
-    assert eager.cuda_graphs is None
-    for name in targets:
-        assert torch.equal(graphed.layers[name].q, eager.layers[name].q), name
-        assert torch.equal(graphed.layers[name].scale, eager.layers[name].scale), name

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 CHILD = r"""
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from optimize.quant.gptq import gptq_model
+from optimize.quant.gptq_sequential import gptq_model
 from optimize.quant.fakequant import scheme_for
 state, windows, dtype, out = sys.argv[1:5]
 m = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

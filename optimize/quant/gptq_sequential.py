@@ -1,0 +1,341 @@
+"""Sequential GPTQ over a model: block by block in model order, each block calibrated on what
+the blocks before it, already quantized, output.
+
+The per-layer algorithm is :mod:`optimize.quant.gptq`; this module feeds it: Hessians from
+forward hooks (:class:`HessianCollector`), the Linears that read one input solved together
+(:func:`shared_input_groups`), the calibration windows carried from block to block
+(:class:`~optimize.quant.block_inputs.BlockChain`), one block at a time on a compute device, and
+each result handed to the caller as soon as nothing reads its float weight again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from optimize.device import model_device, on_device
+from optimize.quant.block_inputs import BlockChain
+from optimize.quant.fakequant import WeightScheme, qdq_act
+from optimize.quant.gptq import Damp, GptqLayerResult, ScaleInit, gptq_layers
+from optimize.quant.gptq_rows import row_graphs
+from optimize.quant.host_independent import computing_in
+from optimize.resources import release_free_heap
+from train.model_parts import block_of, decoder_blocks
+
+
+class HessianCollector:
+    """Accumulates ``sum x x^T`` over the inputs a set of Linears receive (one Hessian per input)."""
+
+    def __init__(self, model: nn.Module, names: list[str], scheme: WeightScheme | None = None):
+        self.model, self.scheme = model, scheme
+        self.h: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, int] = {}
+        # q/k/v (and gate/up) receive the very same input tensor one after another: its x^T x is
+        # computed once and reused while that tensor is unchanged
+        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self._handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
+
+    def _outer(self, inp: torch.Tensor) -> torch.Tensor:
+        last = self._last
+        if last is not None and last[0] is inp and last[1] == inp._version:
+            return last[2]
+        x = inp.detach()
+        x = (x if x.dtype == torch.float64 else x.float()).reshape(-1, inp.shape[-1])  # float64 calibration stays so
+        if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
+            x = qdq_act(x, self.scheme)
+        x = x.double()
+        xtx = x.t() @ x
+        self._last = (inp, inp._version, xtx)
+        return xtx
+
+    def _hook(self, name: str) -> Callable:
+        def fn(_mod, args):
+            xtx = self._outer(args[0])
+            if name not in self.h:
+                self.h[name] = torch.zeros_like(xtx)
+                self.tokens[name] = 0
+            self.h[name] += xtx
+            self.tokens[name] += args[0].numel() // args[0].shape[-1]
+
+        return fn
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._last = None
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _untie(model: nn.Module, names: list[str]) -> None:
+    """Give each target Linear its own weight if it shares one (a tied lm_head shares the embedding)."""
+    owners: dict[int, int] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    for n in names:
+        lin = model.get_submodule(n)
+        if owners.get(id(lin.weight), 0) > 1:
+            lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
+
+
+@dataclass
+class GptqRunResult:
+    layers: dict[str, GptqLayerResult] = field(default_factory=dict)
+    tokens: int = 0
+    #: the blocks (or "outside blocks") calibrated, in order
+    steps: list[str] = field(default_factory=list)
+    #: seconds in the calibration forwards (Hessians) and in GPTQ's solves, summed over the blocks
+    calibrate_s: float = 0.0
+    solve_s: float = 0.0
+    #: :meth:`RowGraphs.summary` where the column loop ran as CUDA graphs
+    cuda_graphs: dict | None = None
+
+    def summary(self) -> dict:
+        rtn = [r.rel_error_rtn for r in self.layers.values()]
+        gq = [r.rel_error_gptq for r in self.layers.values()]
+        n = max(len(rtn), 1)
+        return {
+            "layers": len(self.layers),
+            "calibration_tokens": self.tokens,
+            "mean_rel_output_error_rtn": round(sum(rtn) / n, 6),
+            "mean_rel_output_error_gptq": round(sum(gq) / n, 6),
+            "output_error_reduction": round(1.0 - sum(gq) / max(sum(rtn), 1e-30), 4),
+            "damp_counts": _counts(r.damp for r in self.layers.values()),
+            "damp_by_projection": {kind: _counts(r.damp for n, r in self.layers.items() if n.rsplit(".", 1)[-1] == kind)
+                                   for kind in sorted({n.rsplit(".", 1)[-1] for n in self.layers})},
+        }
+
+    def timing(self) -> dict:
+        """Where the run's time went (apart from :meth:`summary`, whose figures repeat run to run)."""
+        return {"calibrate_s": round(self.calibrate_s, 2), "solve_s": round(self.solve_s, 2),
+                **({"cuda_graphs": self.cuda_graphs} if self.cuda_graphs else {})}
+
+
+def shared_input_groups(names: list[str], hessians: dict[str, torch.Tensor],
+                        targets: dict[str, WeightScheme]) -> list[list[str]]:
+    """``names`` grouped by identical Hessian and scheme, in first-seen order: the Linears that
+    read one input (q/k/v, gate/up) accumulated the very same ``x^T x`` sums, so equality is exact."""
+    groups: list[list[str]] = []
+    for name in names:
+        for group in groups:
+            first = group[0]
+            if targets[first] == targets[name] and torch.equal(hessians[first], hessians[name]):
+                group.append(name)
+                break
+        else:
+            groups.append([name])
+    return groups
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work (CUDA runs ahead of the host)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _counts(values) -> dict[str, int]:
+    """How many layers used each damping fraction, smallest first (keys as ``f"{d:g}"``)."""
+    out: dict[float, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return {f"{k:g}": out[k] for k in sorted(out)}
+
+
+@torch.no_grad()
+def gptq_model(
+    model: nn.Module,
+    targets: dict[str, WeightScheme],
+    windows: list[torch.Tensor],
+    *,
+    damp: Damp = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    scale_init: ScaleInit = "absmax",
+    log: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
+    progress: Callable[..., None] | None = None,
+    calibration_dtype: torch.dtype | None = None,
+    install: Callable[[str, GptqLayerResult], None] | None = None,
+) -> GptqRunResult:
+    """Sequential GPTQ over the named Linears, with the calibration forward in ``calibration_dtype``.
+
+    ``install(name, result)`` puts a Linear's integers into the model (the caller's runtime
+    tensors); every target gets it once. On the block chain it runs as soon as no later
+    calibration forward reads the Linear's weight (its block has fed the next one), so the model's
+    float weights and GPTQ's integers are never both held for every layer at once (a 1B-class
+    model's run on the CPU peaked at 5.45 GiB instead of 6.35). Where the model is cast for the
+    calibration, or each block calibrates from the model's input, it runs at the end.
+
+    ``calibration_dtype`` (e.g. float64): the model is cast to it for the calibration forwards
+    and back to its own dtype afterwards (both casts exact: fp32/bf16 values are float64 values,
+    and the installed weights are GPTQ's grid values). Why: in fp32 the activations that build the
+    Hessians differ in their last bits between the CPU's vector paths (``ATEN_CPU_CAPABILITY``
+    default/avx2/avx512), GPTQ's rounding decisions follow them, and 19% of SmolLM2's int4 weights
+    (its first six blocks) came out different between two paths of one machine; with the forward
+    in float64, none did (:mod:`optimize.quant.host_independent`). See :func:`_gptq_model` for the
+    algorithm.
+    """
+    installed: set[str] = set()
+
+    def release(done: dict[str, GptqLayerResult]) -> None:
+        for name, res in done.items():
+            install(name, res)
+            installed.add(name)
+
+    cast = calibration_dtype is not None and any(p.is_floating_point() and p.dtype != calibration_dtype
+                                                 for p in model.parameters())
+    with row_graphs() as graphs, computing_in(model, calibration_dtype):
+        result = _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
+                             scale_init=scale_init, log=log, device=device, progress=progress,
+                             release=release if install is not None and not cast else None)
+    if graphs.captured or graphs.disabled:
+        result.cuda_graphs = graphs.summary()
+    if install is not None:
+        release({name: res for name, res in result.layers.items() if name not in installed})
+    return result
+
+
+def _gptq_model(
+    model: nn.Module,
+    targets: dict[str, WeightScheme],
+    windows: list[torch.Tensor],
+    *,
+    damp: Damp = 0.01,
+    block_size: int = 128,
+    act_order: bool = True,
+    scale_init: ScaleInit = "absmax",
+    log: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
+    progress: Callable[..., None] | None = None,
+    release: Callable[[dict[str, GptqLayerResult]], None] | None = None,
+) -> GptqRunResult:
+    """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
+
+    Each decoder block calibrates on what the blocks before it, already quantized, output for
+    the calibration windows (cached between blocks by
+    :class:`~optimize.quant.block_inputs.BlockChain`, so each block runs twice per window: once
+    to calibrate, once quantized to feed the next; the head then reads the chain's last outputs;
+    models whose blocks do not simply feed each other run the model prefix again for every
+    block, as before); the block's Linears are then quantized from the
+    Hessians of the inputs they received, and their fp32 weights replaced by the de-quantized
+    GPTQ values (exactly on the grid), so later blocks calibrate on what the quantized model
+    computes. Linears outside the decoder blocks (``lm_head``) come last.
+    The caller turns the returned integers and scales into its runtime's tensors.
+
+    ``device`` is where the blocks compute. With the chain, a model kept elsewhere (a large model
+    on the CPU, the GPU as ``device``) has one decoder block at a time moved there, together
+    with the carried hidden states, and back once it is quantized; what lies outside the blocks
+    (and the slower path without the chain) runs where the model is. None, or the model's own
+    device: everything runs where the model is. The windows are moved to the model.
+    ``release`` gets each step's results once no later forward reads their weights (on the chain
+    only; see :func:`gptq_model`). A tied target (``lm_head``) is untied when its turn comes, so
+    the copy is not held while the blocks are solved.
+    """
+    if not windows:
+        raise ValueError("GPTQ needs calibration windows (ctx.calibration is empty)")
+    home = model_device(model)
+    windows = [w.to(home) for w in windows]
+    blocks = [name for name, _ in decoder_blocks(model)]
+    stages: dict[str | None, list[str]] = {}
+    for name in targets:
+        stages.setdefault(block_of(name, blocks), []).append(name)
+    order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
+    result = GptqRunResult()
+
+    def calibrate_and_quantize(names: list[str], feed: Callable[[], None], label: str) -> None:
+        """Feed the windows with Hessian hooks on ``names``, then GPTQ them."""
+        t_feed = _clock(device or home)
+        collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
+        try:
+            feed()
+        finally:
+            collector.close()
+        result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
+        for name in names:
+            if name not in collector.h:
+                raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
+        t0 = _clock(device or home)
+        result.calibrate_s += t0 - t_feed
+        # GPTQ each group of Linears that read one input (q/k/v, gate/up) from its Hessian; install
+        # the de-quantized grid values
+        _untie(model, names)
+        for group in shared_input_groups(names, collector.h, targets):
+            lins = [model.get_submodule(name) for name in group]
+            hessian = collector.h.pop(group[0])
+            for name in group[1:]:
+                del collector.h[name]
+            outs = gptq_layers([lin.weight for lin in lins], hessian, targets[group[0]], damp=damp,
+                               block_size=block_size, act_order=act_order, scale_init=scale_init,
+                               consume_hessian=damp != "auto")
+            del hessian
+            for name, lin, res in zip(group, lins, outs):
+                res.dequantize_into(lin.weight.data)
+                result.layers[name] = res.to(home)  # kept beside the model, not on the block's compute device
+        result.solve_s += _clock(device or home) - t0
+        if log:
+            log(f"gptq {len(result.steps) + 1}/{len(order)} {label}: {len(names)} layers")
+        if progress:  # a bar (step = block) on a terminal, an event for a run_pipeline callback
+            progress(len(result.steps) + 1, len(order), phase="gptq", message=str(label), layers=len(names))
+        result.steps.append(label)
+
+    chain = BlockChain.capture(model, blocks, windows) if blocks and any(b is not None for b in order) else None
+    if chain is not None and not chain.ok:
+        if log:
+            log(f"gptq: {chain.why}; calibrating each block from the model's input instead (slower)")
+        chain = None
+    rest = order
+    if chain is not None:
+        # each block calibrates on the cached outputs of the (already quantized) blocks before it:
+        # two forwards of that block per window instead of a forward through every earlier block
+        outside = None in stages
+        chain.to(device or home)
+        for i, block in enumerate(blocks):
+            with on_device(chain.mods[i], device):
+                if block in stages:
+                    calibrate_and_quantize(stages[block], lambda i=i: chain.run_block(i), block)
+                if i < len(blocks) - 1 or outside:
+                    chain.advance(i)
+            if release is not None and block in stages:  # the next block has its input: nothing reads these again
+                release({name: result.layers[name] for name in stages[block]})
+            release_free_heap()  # the block's Hessians and row chunks, before the next block's
+        if outside:
+            # the Linears outside the blocks (lm_head) read what the quantized blocks output: the
+            # blocks answer from the chain, so only the embedding, final norm and head run again
+            def feed_from_chain():
+                for j, w in enumerate(windows):
+                    with chain.replay(j):
+                        model(w.view(1, -1), use_cache=False)
+
+            calibrate_and_quantize(stages[None], feed_from_chain, "outside blocks")
+            if release is not None:
+                release({name: result.layers[name] for name in stages[None]})
+        rest = []
+    for block in rest:
+        stop = None
+        if block is not None and block != blocks[-1]:
+            def _halt(_m, _a, _o):
+                raise _StopForward
+            stop = model.get_submodule(block).register_forward_hook(_halt)
+
+        def feed_from_input():
+            for w in windows:
+                try:
+                    model(w.view(1, -1))
+                except _StopForward:
+                    pass
+
+        try:
+            calibrate_and_quantize(stages[block], feed_from_input, block or "outside blocks")
+        finally:
+            if stop is not None:
+                stop.remove()
+    return result
