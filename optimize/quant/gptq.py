@@ -3,9 +3,11 @@
 Round-to-nearest rounds every weight on its own. GPTQ quantizes one input column at a time
 and moves each column's rounding error onto the columns not yet quantized, weighted by the
 inverse Hessian ``H = 2 X^T X`` of the layer's calibration inputs, so the *output* ``X W^T``
-stays close even where single weights do not. Layers are processed block by block in model
-order, each seeing the calibration activations of the blocks already quantized before it
-(sequential GPTQ), so errors do not compound unseen.
+stays close even where single weights do not. This module is one layer (or the Linears that
+read one input) given its Hessian; :mod:`optimize.quant.gptq_sequential` runs a model block by
+block in model order, each block seeing the calibration activations of the blocks already
+quantized before it, so errors do not compound unseen; :mod:`optimize.quant.gptq_rows` is the
+column loop and its CUDA graphs.
 
 Why not torchao's ``GPTQConfig``: in torchao 0.18 it runs on CUDA only and emits
 ``Int4Tensor``/``Int8Tensor`` (tinygemm/mslk layouts) that ExecuTorch's XNNPACK partitioner
