@@ -125,4 +125,3 @@ def release_free_heap() -> bool:
     trimmed between stages and after each GPTQ block, with the same results. It takes milliseconds."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
-
