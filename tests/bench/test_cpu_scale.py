@@ -43,3 +43,11 @@ def test_the_table_says_whether_the_goal_is_met(cpu_scale):
     assert "**4600 MiB, 2.30x**" in met and "goal <= 2.5x: met" in met
     missed = cpu_scale.table(dict(res, peak_mib=5400.0, ratio=2.7, error="exit 1: boom"))
     assert "goal <= 2.5x: NOT met" in missed and "| the run | failed: exit 1: boom |" in missed
+
+
+@pytest.mark.parametrize("flag", ["--blocks", "--windows", "--threads"])
+def test_a_count_below_one_is_refused_before_anything_runs(cpu_scale, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cpu_scale.main([flag, "0"])
+    assert exc.value.code == 2
+    assert "--blocks, --windows and --threads must be at least 1" in capsys.readouterr().err
