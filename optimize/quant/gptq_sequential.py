@@ -22,7 +22,7 @@ from optimize.quant.block_inputs import BlockChain
 from optimize.quant.fakequant import WeightScheme, qdq_act
 from optimize.quant.gptq import Damp, GptqLayerResult, ScaleInit, gptq_layers
 from optimize.quant.gptq_rows import row_graphs
-from optimize.quant.host_independent import computing_in
+from optimize.quant.host_independent import casts, computing_in
 from optimize.resources import release_free_heap
 from train.model_parts import block_of, decoder_blocks
 
@@ -191,8 +191,7 @@ def gptq_model(
             install(name, res)
             installed.add(name)
 
-    cast = calibration_dtype is not None and any(p.is_floating_point() and p.dtype != calibration_dtype
-                                                 for p in model.parameters())
+    cast = casts(model, calibration_dtype)
     with row_graphs() as graphs, computing_in(model, calibration_dtype):
         result = _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
                              scale_init=scale_init, log=log, device=device, progress=progress,

@@ -58,14 +58,24 @@ def resolve(model: nn.Module, choice: CalibrationDtype, device: torch.device | N
     return torch.float64 if on_cpu and params * 8 <= FLOAT64_AUTO_BYTES else None
 
 
+def _floating_dtypes(model: nn.Module) -> set[torch.dtype]:
+    return {p.dtype for p in model.parameters() if p.is_floating_point()}
+
+
+def casts(model: nn.Module, dtype: torch.dtype | None) -> bool:
+    """Whether :func:`computing_in` casts ``model`` for ``dtype`` (a caller that must not put
+    tensors into the model while it is cast asks this first)."""
+    return dtype is not None and _floating_dtypes(model) != {dtype}
+
+
 @contextlib.contextmanager
 def computing_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[str]:
     """The model cast to ``dtype`` inside the block and back to its own dtype after it, on any exit.
 
     Both casts are exact (fp32/bf16/fp16 values are float64 values, and what the stage writes into
     the weights meanwhile are values of the model's own dtype). Yields the dtype's name for the report."""
-    own = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtype is None or own == {dtype}:
+    own = _floating_dtypes(model)
+    if not casts(model, dtype):
         yield str(next(iter(own), torch.float32)).removeprefix("torch.")
         return
     if len(own) != 1:
