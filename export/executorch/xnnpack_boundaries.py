@@ -20,18 +20,33 @@ from __future__ import annotations
 
 import torch
 
+from export.group_offset import GroupOffsetLinear
+
 
 def _shape(arg) -> tuple | None:
     val = getattr(arg, "meta", {}).get("val") if isinstance(arg, torch.fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+def _inside_offset_linear(node: torch.fx.Node) -> bool:
+    """Whether export traced ``node`` inside a ``GroupOffsetLinear.forward`` (its module stack,
+    which the edge dialect keeps, ends with one)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return False
+    _, owner = list(stack.values())[-1]
+    name = owner if isinstance(owner, str) else f"{owner.__module__}.{owner.__qualname__}"
+    return name == f"{GroupOffsetLinear.__module__}.{GroupOffsetLinear.__qualname__}"
+
+
 def is_residual_add(node: torch.fx.Node, hidden: int) -> bool:
     """An ``add.Tensor`` of two same-shaped ``[..., T, hidden]`` tensors: the residual stream plus a
     sublayer's output (OPT adds its MLP's as ``[T, hidden]``; GPT-2 and OPT add their position
     embeddings the same way). RoPE's adds (per head), norm epsilons (scalars) and biases
-    (``[hidden]``) are not."""
-    if len(node.args) < 2:
+    (``[hidden]``) are not, nor is the add inside a Linear's own forward that has the same shape:
+    a kept source grid's offset (:class:`~export.group_offset.GroupOffsetLinear`, whose output is
+    ``[..., T, hidden]`` for ``o_proj`` and ``down_proj``) belongs in the delegate with its GEMMs."""
+    if len(node.args) < 2 or _inside_offset_linear(node):
         return False
     shapes = [_shape(a) for a in node.args[:2]]
     return all(s is not None and len(s) >= 2 and s[-1] == hidden for s in shapes) and shapes[0] == shapes[1]

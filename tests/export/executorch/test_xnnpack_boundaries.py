@@ -90,3 +90,31 @@ def test_split_program_gives_the_same_logits(lower_variants, family):
         assert on["delegation"]["delegate_calls"] == off["delegation"]["delegate_calls"] + 2 * layers
     else:  # OPT's LayerNorms already split its layers
         assert on["delegation"]["delegate_calls"] > off["delegation"]["delegate_calls"]
+
+
+class _GridBlock(nn.Module):
+    """A residual add around a kept source grid's ``GroupOffsetLinear`` (``hidden -> hidden``, as
+    ``o_proj``/``down_proj``), whose own offset add has the residual's shape."""
+
+    def __init__(self):
+        super().__init__()
+        from export.group_offset import GroupOffsetLinear
+
+        self.proj = GroupOffsetLinear(HIDDEN, HIDDEN, 8, bias=False)
+
+    def forward(self, x):
+        return x + self.proj(x)
+
+
+@pytest.mark.parametrize("edge", [False, True], ids=["aten", "edge"])
+def test_an_offset_add_inside_the_linear_is_not_a_boundary(edge):
+    ep = torch.export.export(_GridBlock(), (torch.randn(1, 3, HIDDEN),))
+    if edge:  # the partitioner sees the edge dialect, which must keep the module stack
+        from executorch.exir import to_edge
+
+        ep = to_edge(ep).exported_program()
+    adds = [n for n in ep.graph.nodes if n.op == "call_function" and "add" in str(n.target)]
+    assert len(adds) == 2
+    # the offset add (inside GroupOffsetLinear.forward) comes first, the residual add last
+    assert [is_residual_add(n, HIDDEN) for n in adds] == [False, True]
+    assert count_residual_adds(ep.graph_module, HIDDEN) == 1
