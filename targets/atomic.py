@@ -132,13 +132,19 @@ def atomic_write_json(final: str | os.PathLike, obj: Any) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(final: str | os.PathLike, *, keep_existing: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside ``final``; on success it replaces ``final`` whole.
 
     Every file inside is fsynced before the rename, so after a power cut the directory is
     either absent, the old one, or complete. An existing ``final`` is moved aside first and
     deleted only after the new one is in place, so at every instant either the old or the new
     complete directory exists.
+
+    ``keep_existing`` is for caches that several processes may fill at once (two pipelines, or
+    test workers converting the same GGUF): the first complete directory wins and later ones
+    are discarded, so a process reading the winner never sees it replaced under it. The rename
+    onto an existing non-empty directory fails atomically, so there is no window between check
+    and rename.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -147,6 +153,16 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
+        if keep_existing:
+            try:
+                os.rename(tmp, final)  # fails (EEXIST/ENOTEMPTY) if another writer got there first
+            except OSError:
+                if not final.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                fsync_dir(final.parent)
+            return
         old = None
         if final.exists():
             old = final.with_name(f".{final.name}.old-{os.getpid()}")

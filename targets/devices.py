@@ -231,6 +231,11 @@ _FLAG_NAMES = {"asimd": "neon", "asimdhp": "fp16", "asimddp": "dotprod", "i8mm":
                "amx_int8": "amx_int8"}
 
 
+def host_isa() -> list[str]:
+    """This machine's ISA features under the profile names (``ISA_FEATURES``), from /proc/cpuinfo."""
+    return sorted({_FLAG_NAMES[f] for f in _cpuinfo()[1] if f in _FLAG_NAMES})
+
+
 def _core_tiers(cpus: list[int]) -> dict[str, int]:
     """Big/mid/little from the kernel's per-core capacity (arm64 big.LITTLE); all big elsewhere."""
     caps = []
@@ -295,8 +300,8 @@ def measure_host(threads: int | None = None) -> dict:
     total = mem.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     avail = mem.get("MemAvailable", total)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    model, flags = _cpuinfo()
-    isa = sorted({_FLAG_NAMES[f] for f in flags if f in _FLAG_NAMES})
+    model, _ = _cpuinfo()
+    isa = host_isa()
     n = int(threads or torch.get_num_threads())
     bw, samples = _host_bandwidth(n)
     free = shutil.disk_usage(Path.cwd()).free

@@ -154,7 +154,7 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, keep_existing=True) as tmp:  # a cache: another process may convert it too
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         _write_legacy_rope(tmp)

@@ -33,6 +33,8 @@ class Chain:
     weight: str
     col_scale: str
     nodes: frozenset[str]
+    #: uint8 weights (u8u8): their per-column zero point; None for int8 weights
+    weight_zero_point: str | None = None
 
 
 def _scoped(nodes: list[onnx.NodeProto], prefix: str) -> list[onnx.NodeProto]:
@@ -72,7 +74,8 @@ def add_decode_branch(model: onnx.ModelProto, chains: list[Chain], ids_input: st
     for n in nodes:
         if n.name in starts:
             c = starts[n.name]
-            decode.append(helper.make_node("DynamicQuantizeMatMul", [c.x, c.weight, c.col_scale], [c.y],
+            decode.append(helper.make_node("DynamicQuantizeMatMul", [c.x, c.weight, c.col_scale]
+                                           + ([c.weight_zero_point] if c.weight_zero_point else []), [c.y],
                                            name=f"{c.y}/DynamicQuantizeMatMul", domain=MS))
         elif n.name not in members:
             decode.append(n)

@@ -77,6 +77,7 @@ def quantize_graph(src: Path, dst: Path, opts, calib, layout, external: bool, wo
         return {"mode": "none"}
     from export.onnxruntime import quant as onnx_quant
 
+    int8 = opts.resolved_int8_format()
     log(f"onnxruntime: quantizing ({opts.quantize}"
         + (f", {opts.calibrate_method} on {len(calib)} windows" if opts.quantize == "static" else "") + ")")
     specs = {f"past_key_values.{i}.{k}": layout[i] for i in range(len(layout)) for k in ("key", "value")}
@@ -85,13 +86,13 @@ def quantize_graph(src: Path, dst: Path, opts, calib, layout, external: bool, wo
             src, dst, mode=opts.quantize, per_channel=opts.per_channel, reduce_range=opts.reduce_range,
             calibrate_method=opts.calibrate_method, quantize_lm_head=opts.quantize_lm_head,
             quantize_embedding=opts.quantize_embedding, nodes_to_exclude=opts.nodes_to_exclude, exclude_modules=opts.exclude_modules, calibration=calib,
-            past_specs=specs, external_data=external, work_dir=work,
+            past_specs=specs, external_data=external, work_dir=work, int8_format=int8["format"],
         )
     except Exception as exc:
         raise ExportError(f"ONNX Runtime {opts.quantize} quantization failed: {type(exc).__name__}: {exc}") from exc
     from export.onnxruntime.package import check_onnx
 
     check_onnx(dst)
-    return quant
+    return {**quant, "int8_format": int8}
 
 

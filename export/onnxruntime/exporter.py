@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from targets.atomic import sha256_file
 from export.base import ExportError, ExportOptions, ExportResult, Exporter
@@ -32,6 +32,7 @@ from export.onnxruntime.dynamo import torch_export as _torch_export
 from export.onnxruntime.package import _ship, _versions, check_onnx
 from export.onnxruntime.runner import MANIFEST, OnnxRuntimeRunner, onnx_files
 from export.onnxruntime.genai_builder import FUSED_ARCHITECTURES, builder_problems
+from export.onnxruntime.int8_format import Int8Format, machine_of, resolve_int8_format
 from export.runtime import EagerRunner, Runner
 
 __all__ = ["OnnxRuntimeExporter", "OnnxRuntimeOptions", "OnnxRuntimeRunner", "check_onnx", "SUPPORTED_MODEL_TYPES"]
@@ -83,7 +84,12 @@ class OnnxRuntimeOptions(ExportOptions):
         "standard ONNX ops), or static (ORT's QDQ with calibrated per-tensor activation ranges)",
     )
     per_channel: bool = Field(True, description="per-output-channel weight scales")
-    reduce_range: bool = Field(False, description="7-bit weights (for non-VNNI CPUs that saturate u8s8)")
+    reduce_range: bool = Field(False, description="7-bit weights (ORT's quantizer; the other cure for u8s8 saturation)")
+    int8_format: Int8Format = Field(
+        "auto", description="int8 weights of every MatMulInteger / DynamicQuantizeMatMul / QDQ MatMul: u8s8 = int8 "
+        "(fastest with VNNI or on arm64; saturates on x86 without VNNI), u8u8 = the same integers as uint8 with zero "
+        "point 128 (exact on every CPU), auto = u8u8 where this host's CPU is x86 without VNNI, else u8s8",
+    )
     calibrate_method: Literal["minmax", "entropy", "percentile"] = Field("minmax", description="static calibration")
     calibration_windows: int = Field(8, ge=1, description="at most this many calibration windows are used")
     quantize_lm_head: bool = Field(False, description="also quantize the output projection (tied ones are untied)")
@@ -97,6 +103,29 @@ class OnnxRuntimeOptions(ExportOptions):
         "all", description="ORT session graph optimizations the runner uses"
     )
 
+    #: (isa, machine, device name) of the pipeline's device profile, for int8_format: auto (for_run)
+    _device_cpu: tuple[tuple[str, ...], str, str] | None = PrivateAttr(None)
+
+    def for_run(self, cfg: Any, label: str) -> "OnnxRuntimeOptions":
+        """``int8_format: auto`` resolved against the run's device profile's CPU, where it names one
+        (``host`` and no profile: this host's, at export)."""
+        device = getattr(cfg, "device_profile", None)
+        if self.int8_format != "auto" or not device or device == "host":
+            return self
+        from targets.devices import load_device
+
+        profile = load_device(device)
+        out = self.model_copy()
+        out._device_cpu = (tuple(profile.isa), machine_of(profile.isa), profile.name)
+        return out
+
+    def resolved_int8_format(self) -> dict:
+        """:func:`~export.onnxruntime.int8_format.resolve_int8_format` for these options."""
+        if self._device_cpu is None:
+            return resolve_int8_format(self.int8_format)
+        isa, machine, name = self._device_cpu
+        return resolve_int8_format(self.int8_format, isa, machine, where=f"device profile {name!r}")
+
     @model_validator(mode="after")
     def _per_token_options(self) -> "OnnxRuntimeOptions":
         if self.graph == "fused" and self.quantize in ("dynamic", "static"):
@@ -107,6 +136,9 @@ class OnnxRuntimeOptions(ExportOptions):
                 raise ValueError("quantize: dynamic_per_token always uses per-channel weight scales; drop per_channel: false")
             if self.reduce_range:
                 raise ValueError("quantize: dynamic_per_token stores 8-bit weights; reduce_range applies to ORT's quantizer only")
+        if self.reduce_range and self.int8_format == "u8u8":
+            raise ValueError("reduce_range (7-bit weights) is the u8s8 saturation workaround; int8_format: u8u8 does "
+                             "not saturate, so it would only lose a bit: drop one of them")
         if self.quantize != "static" and "calibrate_method" in self.model_fields_set:
             raise ValueError(f"calibrate_method applies only to quantize: static (got quantize: {self.quantize})")
         return self

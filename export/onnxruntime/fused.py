@@ -36,6 +36,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.base import ExportError
+from export.onnxruntime.int8_format import U8_ZERO_POINT
 from export.onnxruntime.decode_branch import Chain, add_decode_branch, all_nodes
 from export.onnxruntime.plan import FusedPlan, LinearPlan, _kind, _linears, plan_model, write_hf_dir  # noqa: F401
 from export.onnxruntime.weights import BlockQuant, cat_rows, int8_columns, nbits_arrays, rtn_int8_rows
@@ -176,7 +177,8 @@ def _per_token_consts(gr: _Graph) -> dict[str, str]:
     return out
 
 
-def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: str) -> list[onnx.NodeProto]:
+def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: str,
+                     unsigned: bool = False) -> list[onnx.NodeProto]:
     """W8A8 with one asymmetric uint8 scale per token (the 8da8w arithmetic), as standard ops:
 
         s = (max(x_row, 0) - min(x_row, 0)) / 255;  z = round(-min(x_row, 0) / s)
@@ -184,10 +186,15 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
         y = s * s_col * (MatMulInteger(x_q, W_q) - z * colsum(W_q))
 
     ``MatMulInteger`` takes only a scalar activation zero point, so the per-row zero point is
-    applied after the integer product through the weight's column sums."""
+    applied after the integer product through the weight's column sums. ``unsigned`` (u8u8, see
+    :mod:`export.onnxruntime.int8_format`) stores ``W_q + 128`` as uint8 with zero point 128."""
     wq, ws = int8_columns(bq)
     c = _per_token_consts(gr)
-    w = gr.add(wq, prefix + ".w_int8")
+    if unsigned:
+        w = gr.add((wq.astype(np.int16) + U8_ZERO_POINT).astype(np.uint8), prefix + ".w_uint8")
+        wz = gr.add(np.full(wq.shape[1], U8_ZERO_POINT, np.uint8), prefix + ".w_zero_point")
+    else:
+        w, wz = gr.add(wq, prefix + ".w_int8"), None
     s_col = gr.add(ws, prefix + ".w_scale")
     colsum = gr.add(wq.astype(np.float32).sum(axis=0), prefix + ".w_colsum")
     x, y, k = node.input[0], node.output[0], bq.shape[1]
@@ -206,23 +213,27 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
         mk("Round", [t("zn")], [t("z")], name=t("z")),
         mk("Cast", [t("z")], [t("zu8")], name=t("zu8"), to=TensorProto.UINT8),
         mk("QuantizeLinear", [x, t("s"), t("zu8")], [t("xq")], name=t("xq"), axis=-1, block_size=k),
-        mk("MatMulInteger", [t("xq"), w], [t("acc")], name=node.name + "Integer"),
+        mk("MatMulInteger", [t("xq"), w] + (["", wz] if wz else []), [t("acc")], name=node.name + "Integer"),
         mk("Cast", [t("acc")], [t("accf")], name=t("accf"), to=TensorProto.FLOAT),
         mk("Mul", [t("z"), colsum], [t("zc")], name=t("zc")),
         mk("Sub", [t("accf"), t("zc")], [t("acc0")], name=t("acc0")),
         mk("Mul", [t("acc0"), t("s")], [t("rows")], name=t("rows")),
         mk("Mul", [t("rows"), s_col], [y], name=t("cols")),
     ]
-    gr.chains.append(Chain(x, y, w, s_col, frozenset(n.name for n in nodes)))
+    gr.chains.append(Chain(x, y, w, s_col, frozenset(n.name for n in nodes), wz))
     return nodes
 
 
 def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: Callable[[str], None], *,
-            decode_branch: bool = True) -> dict:
+            decode_branch: bool = True, int8_format: dict | None = None) -> dict:
     """Rewrite the builder's fp32 graph at ``src`` into ``dst`` (``model.onnx`` + ``.data``)
     with the planned kernels; returns what was installed (for the manifest). ``decode_branch``:
     per-token Linears run as one DynamicQuantizeMatMul each when one token is fed
-    (:mod:`export.onnxruntime.decode_branch`)."""
+    (:mod:`export.onnxruntime.decode_branch`). ``int8_format``: the resolved
+    :func:`export.onnxruntime.int8_format.resolve_int8_format` for the per-token Linears
+    (default u8s8)."""
+    int8_format = int8_format or {"format": "u8s8", "why": "default"}
+    unsigned = int8_format["format"] == "u8u8"
     proto = onnx.load(str(src), load_external_data=False)
     gr = _Graph(proto, src.parent)
     modules = set(_linears(model))
@@ -253,7 +264,7 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
         prefix = node.name[1:].replace("/", ".")
         try:
             new = (_nbits_nodes(gr, node, bq, p0.accuracy_level, prefix) if p0.kernel == "nbits"
-                   else _per_token_nodes(gr, node, bq, prefix))
+                   else _per_token_nodes(gr, node, bq, prefix, unsigned))
         except ValueError as exc:  # a layout ORT has no kernel for (e.g. a group size not a multiple of 16)
             raise ExportError(f"onnxruntime exporter: {[m for m, _ in pieces]}: {exc}") from None
         if p0.bq is not None and offset is not None:
@@ -279,7 +290,10 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
               location=dst.name + ".data", size_threshold=1024)
     log(f"onnxruntime: installed {dict(installed) or 'no quantized'} MatMul kernels; embedding {emb}"
         + (f"; decode branch fuses {branched} per-token Linears" if branched else ""))
-    return {"matmuls": dict(installed), "embedding": emb, "decode_branch_linears": branched}
+    out = {"matmuls": dict(installed), "embedding": emb, "decode_branch_linears": branched}
+    if gr.chains:  # int8 weights against uint8 activations: say which integer GEMM runs them
+        out["int8_format"] = int8_format
+    return out
 
 
 def _install_embedding(gr: _Graph, plan: FusedPlan) -> str:

@@ -50,7 +50,8 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
     except BuilderError as exc:
         raise ExportError(str(exc)) from None
     t2 = time.perf_counter()
-    installed = install(built / "model.onnx", stage / "model.onnx", model, plan, log, decode_branch=opts.decode_branch)
+    installed = install(built / "model.onnx", stage / "model.onnx", model, plan, log, decode_branch=opts.decode_branch,
+                        int8_format=opts.resolved_int8_format())
     t3 = time.perf_counter()
     for f in sorted(built.iterdir()):
         if f.is_file() and not f.name.startswith("model.onnx"):

@@ -19,6 +19,8 @@ import onnx
 import torch
 from onnx import numpy_helper
 
+from export.onnxruntime.int8_format import U8_ZERO_POINT
+
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     return {out: node for node in graph.node for out in node.output}
@@ -147,7 +149,20 @@ def _unique(graph: onnx.GraphProto, base: str) -> str:
     return name
 
 
-def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str]) -> int:
+def integer_weight(g: onnx.GraphProto, w_q: np.ndarray, base: str, unsigned: bool) -> list[str]:
+    """Add the int8 weight ``w_q`` [K, N] as an initializer; returns MatMulInteger's inputs after A:
+    ``[B]`` (int8, u8s8) or ``[B, "", b_zero_point]`` (uint8 = int8 + 128, zero point 128 per
+    column, u8u8): either way ``(B - b_zero_point)`` is ``w_q``."""
+    if not unsigned:
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w_q, dtype=np.int8), base + ".w_int8"))
+        return [base + ".w_int8"]
+    g.initializer.extend([
+        numpy_helper.from_array((w_q.astype(np.int16) + U8_ZERO_POINT).astype(np.uint8), base + ".w_uint8"),
+        numpy_helper.from_array(np.full(w_q.shape[1], U8_ZERO_POINT, np.uint8), base + ".w_zero_point")])
+    return [base + ".w_uint8", "", base + ".w_zero_point"]
+
+
+def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str], *, unsigned: bool = False) -> int:
     """Rewrite weight MatMuls as W8A8 with one activation scale and zero point per *token* (row),
     the arithmetic of XNNPACK's 8da8w and torchao's ``int8_asym_per_token``.
 
@@ -162,7 +177,9 @@ def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str]) -> int
         y = s * s_col * (MatMulInteger(x_q, W_q) - z * colsum(W_q))
 
     with ``W_q`` int8 symmetric per output column (``s_col = max|W_col| / 127``). Every op is a
-    standard ONNX op (opset >= 18). Returns the number of MatMuls rewritten.
+    standard ONNX op (opset >= 18). ``unsigned`` stores ``W_q + 128`` as uint8 with weight zero
+    point 128 (u8u8: the same products, no saturation on x86 without VNNI). Returns the number of
+    MatMuls rewritten.
     """
     g = model.graph
     inits = {i.name: i for i in g.initializer}
@@ -182,9 +199,9 @@ def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str]) -> int
         s_col = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127.0
         w_q = np.clip(np.rint(w / s_col), -127, 127).astype(np.int8)
         base = _unique(g, node.name or node.output[0])
-        g.initializer.extend([numpy_helper.from_array(w_q, base + ".w_int8"),
-                              numpy_helper.from_array(s_col.astype(np.float32), base + ".w_scale"),
+        g.initializer.extend([numpy_helper.from_array(s_col.astype(np.float32), base + ".w_scale"),
                               numpy_helper.from_array(w_q.astype(np.float32).sum(axis=0), base + ".w_colsum")])
+        mmi_inputs = integer_weight(g, w_q, base, unsigned)
         x, y = node.input[0], node.output[0]
         t = lambda k: f"{base}.{k}"  # noqa: E731
         mk = onnx.helper.make_node
@@ -204,7 +221,7 @@ def quantize_per_token(model: onnx.ModelProto, node_names: Sequence[str]) -> int
             mk("Add", [t("xr"), t("z")], [t("xz")], name=t("xz")),
             mk("Clip", [t("xz"), f"{c}.zero", f"{c}.qmax"], [t("xc")], name=t("xc")),
             mk("Cast", [t("xc")], [t("xq")], name=t("xq"), to=onnx.TensorProto.UINT8),
-            mk("MatMulInteger", [t("xq"), base + ".w_int8"], [t("acc")], name=t("mmi")),
+            mk("MatMulInteger", [t("xq"), *mmi_inputs], [t("acc")], name=t("mmi")),
             mk("Cast", [t("acc")], [t("accf")], name=t("accf"), to=onnx.TensorProto.FLOAT),
             mk("Mul", [t("z"), base + ".w_colsum"], [t("zc")], name=t("zc")),
             mk("Sub", [t("accf"), t("zc")], [t("acc0")], name=t("acc0")),
@@ -266,8 +283,10 @@ def quantize(
     past_specs: dict[str, tuple[int, int]],
     external_data: bool,
     work_dir: Path,
+    int8_format: str = "u8s8",
 ) -> dict[str, Any]:
-    """Quantize the fp32 graph at ``src`` into ``dst`` with ORT's quantizer; returns details."""
+    """Quantize the fp32 graph at ``src`` into ``dst`` with ORT's quantizer; returns details.
+    ``int8_format`` u8u8 stores the weights uint8 (:mod:`export.onnxruntime.int8_format`)."""
     from onnxruntime.quantization import (
         CalibrationMethod,
         QuantFormat,
@@ -281,6 +300,8 @@ def quantize(
     emb = quantize_embedding_rows(model) if quantize_embedding else None
     include, exclude = select_nodes(model, quantize_lm_head=quantize_lm_head, extra_exclude=nodes_to_exclude,
                                       exclude_modules=exclude_modules)
+    unsigned = int8_format == "u8u8"
+    weight_type = QuantType.QUInt8 if unsigned else QuantType.QInt8
     prepped = work_dir / "prepped.onnx"
     onnx.save(model, str(prepped), save_as_external_data=True, all_tensors_to_one_file=True,
               location=prepped.name + ".data", size_threshold=1024)
@@ -294,15 +315,15 @@ def quantize(
         op_types_to_quantize=["MatMul"],
         nodes_to_exclude=exclude,
         use_external_data_format=external_data,
-        extra_options={"MatMulConstBOnly": True},
+        extra_options={"MatMulConstBOnly": True, **({"WeightSymmetric": True} if unsigned else {})},
     )
     if mode == "dynamic_per_token":
         rewritten = onnx.load(str(prepped))
-        quantize_per_token(rewritten, include)
+        quantize_per_token(rewritten, include, unsigned=int8_format == "u8u8")
         onnx.save(rewritten, str(dst), save_as_external_data=external_data, all_tensors_to_one_file=True,
                   location=dst.name + ".data", size_threshold=1024)
     elif mode == "dynamic":
-        quantize_dynamic(prepped, dst, weight_type=QuantType.QInt8, **common)
+        quantize_dynamic(prepped, dst, weight_type=weight_type, **common)
     else:
         methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                    "percentile": CalibrationMethod.Percentile}
@@ -312,7 +333,7 @@ def quantize(
             WindowReader(calibration, past_specs),
             quant_format=QuantFormat.QDQ,
             activation_type=QuantType.QUInt8,
-            weight_type=QuantType.QInt8,
+            weight_type=weight_type,
             calibrate_method=methods[calibrate_method],
             calibration_providers=["CPUExecutionProvider"],
             **common,

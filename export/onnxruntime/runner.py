@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from export.runtime import Runner, RunnerError
+from export.onnxruntime.int8_format import warn_if_saturates
 
 MANIFEST = "manifest.json"
 GRAPH_LEVELS = ("disable", "basic", "extended", "all")
@@ -108,6 +109,8 @@ class OnnxRuntimeRunner(Runner):
         self._out_names = [o.name for o in self.session.get_outputs()]
         self.max_seq_len = manifest.get("max_seq_len") if max_seq_len == "manifest" else max_seq_len
         self.manifest = manifest
+        fmt = (manifest.get("quantization") or {}).get("int8_format") or {}
+        warn_if_saturates(fmt.get("format"), str(self.path))
         self.reset()
 
     def reset(self) -> None:

@@ -65,3 +65,22 @@ def test_leftover_temporaries_of_dead_writers_are_removed(tmp_path):
     stale.mkdir()
     recover_leftovers(tmp_path / "d")
     assert not stale.exists() and (tmp_path / "d" / "a").read_text() == "x"
+
+
+def test_keep_existing_lets_the_first_complete_writer_win(tmp_path):
+    """Two writers of one cache entry, interleaved: the second finds the first's directory in
+    place and discards its own, so a reader of the first never sees it replaced."""
+    final = tmp_path / "cache" / "model"
+    first, second = atomic_dir(final, keep_existing=True), atomic_dir(final, keep_existing=True)
+    a, b = first.__enter__(), second.__enter__()
+    (a / "w").write_text("first")
+    (b / "w").write_text("second")
+    first.__exit__(None, None, None)
+    held = (final / "w").open()  # a reader of the winner
+    second.__exit__(None, None, None)
+    assert held.read() == "first" and (final / "w").read_text() == "first"
+    held.close()
+    assert sorted(p.name for p in final.parent.iterdir()) == ["model"]  # the loser's tmp is gone
+    with atomic_dir(final) as c:  # without keep_existing, a writer still replaces it
+        (c / "w").write_text("third")
+    assert (final / "w").read_text() == "third"

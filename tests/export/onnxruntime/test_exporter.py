@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from targets.atomic import sha256_file
 from export.base import ExportError, get_exporter
 from export.onnxruntime.exporter import OnnxRuntimeExporter, OnnxRuntimeOptions, OnnxRuntimeRunner, check_onnx
+from export.onnxruntime.int8_format import host_u8s8_saturates
 from export.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import greedy_match, logits_parity
 from tests.export.conftest import TINY_LLAMA as TINY, quiet as _quiet  # ``tiny`` is the conftest's fixture
@@ -184,13 +185,28 @@ def test_int8_runs_shrinks_and_agrees(exported, text_ids, mode, min_agree):
     assert q.size_bytes() < fp32.size_bytes()
     res = logits_parity(fp32, q, text_ids["eval"])
     assert res["top1_agreement"] >= min_agree, res
-    # The decode path (KV cache, one token per call) on the quantized graph picks the tokens a
-    # no-cache forward over the same sequence picks: quantization did not break the cache.
+    assert quant["int8_format"]["format"] == ("u8u8" if host_u8s8_saturates() else "u8s8"), quant["int8_format"]
+    # The decode path (KV cache, one token per call) on the quantized graph against a no-cache
+    # forward over the same sequence: quantization did not break the cache. Static scales are
+    # constants, so both compute the same arithmetic. Dynamic scales come from each call's own
+    # activations (one token against the whole sequence), so the two differ by quantization
+    # noise, no more than int8 differs from fp32 (measured 0.60 against 0.67, u8u8); a broken
+    # cache differs by the logits' own size.
     prompt = text_ids["eval"][2][:16]
     new = greedy_generate(q, prompt, 8)
+    seq = torch.cat([prompt, torch.tensor(new[:-1])])
     q.reset()
-    full = q.forward(torch.cat([prompt, torch.tensor(new[:-1])]))
-    assert full[prompt.numel() - 1:].argmax(-1).tolist() == new
+    steps = torch.stack([q.forward(prompt)[-1]] + [q.forward(torch.tensor([t]))[-1] for t in new[:-1]])
+    q.reset()
+    full = q.forward(seq)[prompt.numel() - 1:]
+    fp32.reset()
+    quant_err = float((full - fp32.forward(seq)[prompt.numel() - 1:]).abs().max())
+    cache_err = float((steps - full).abs().max())
+    if mode == "static":
+        assert cache_err < 1e-3 and full.argmax(-1).tolist() == new, cache_err
+    else:
+        assert cache_err <= quant_err, (cache_err, quant_err)
+        assert (full.argmax(-1) == steps.argmax(-1)).float().mean() >= 0.75
 
 
 def test_static_graph_is_qdq(exported):
