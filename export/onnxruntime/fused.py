@@ -36,7 +36,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from export.base import ExportError
-from export.onnxruntime.int8_format import U8_ZERO_POINT
+from export.onnxruntime.int8_format import u8u8_arrays
 from export.onnxruntime.decode_branch import Chain, add_decode_branch, all_nodes
 from export.onnxruntime.plan import FusedPlan, LinearPlan, _kind, _linears, plan_model, write_hf_dir  # noqa: F401
 from export.onnxruntime.weights import BlockQuant, cat_rows, int8_columns, nbits_arrays, rtn_int8_rows
@@ -191,8 +191,8 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
     wq, ws = int8_columns(bq)
     c = _per_token_consts(gr)
     if unsigned:
-        w = gr.add((wq.astype(np.int16) + U8_ZERO_POINT).astype(np.uint8), prefix + ".w_uint8")
-        wz = gr.add(np.full(wq.shape[1], U8_ZERO_POINT, np.uint8), prefix + ".w_zero_point")
+        w_u8, zp = u8u8_arrays(wq)
+        w, wz = gr.add(w_u8, prefix + ".w_uint8"), gr.add(zp, prefix + ".w_zero_point")
     else:
         w, wz = gr.add(wq, prefix + ".w_int8"), None
     s_col = gr.add(ws, prefix + ".w_scale")

@@ -27,6 +27,8 @@ import platform
 import warnings
 from typing import Iterable, Literal
 
+import numpy as np
+
 Int8Format = Literal["auto", "u8s8", "u8u8"]
 
 #: ISA features (``targets.devices.ISA_FEATURES`` names) whose u8 x s8 dot products do not saturate
@@ -34,6 +36,13 @@ VNNI_FEATURES = ("avx512_vnni", "avx_vnni", "amx_int8")
 _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 #: the weight zero point that makes uint8 storage hold the int8 grid exactly
 U8_ZERO_POINT = 128
+
+
+def u8u8_arrays(w_q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 weights ``w_q + 128``, one uint8 zero point of 128 per output column) for int8
+    weights ``w_q`` [K, N]: ``B - b_zero_point`` is ``w_q`` exactly."""
+    return ((w_q.astype(np.int16) + U8_ZERO_POINT).astype(np.uint8),
+            np.full(w_q.shape[1], U8_ZERO_POINT, np.uint8))
 
 
 def u8s8_saturates(isa: Iterable[str], machine: str) -> bool:

@@ -19,7 +19,7 @@ import onnx
 import torch
 from onnx import numpy_helper
 
-from export.onnxruntime.int8_format import U8_ZERO_POINT
+from export.onnxruntime.int8_format import u8u8_arrays
 
 
 def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
@@ -156,9 +156,9 @@ def integer_weight(g: onnx.GraphProto, w_q: np.ndarray, base: str, unsigned: boo
     if not unsigned:
         g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w_q, dtype=np.int8), base + ".w_int8"))
         return [base + ".w_int8"]
-    g.initializer.extend([
-        numpy_helper.from_array((w_q.astype(np.int16) + U8_ZERO_POINT).astype(np.uint8), base + ".w_uint8"),
-        numpy_helper.from_array(np.full(w_q.shape[1], U8_ZERO_POINT, np.uint8), base + ".w_zero_point")])
+    w_u8, zp = u8u8_arrays(w_q)
+    g.initializer.extend([numpy_helper.from_array(w_u8, base + ".w_uint8"),
+                          numpy_helper.from_array(zp, base + ".w_zero_point")])
     return [base + ".w_uint8", "", base + ".w_zero_point"]
 
 
