@@ -44,6 +44,23 @@ TINY_CONFIGS: dict[str, dict] = {
 TINY_LLAMA = TINY_CONFIGS["llama"]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``minutes(n)`` run first, longest first; the rest keep their order.
+
+    Why: ``make test`` runs two pytest-xdist workers with work stealing, which hands each worker a
+    contiguous half of the collection and lets an idle worker take tests from the end of the
+    other's queue. A test that takes a quarter of an hour (a shipped example's AWQ + GPTQ) and is
+    collected late can start when the other worker has nothing left to take, which leaves a core
+    idle for its whole length. Started first, the long tests run while the other worker works
+    through the short ones, and both queues end on tests of seconds."""
+    def cost(item) -> float:
+        mark = item.get_closest_marker("minutes")
+        return float(mark.args[0]) if mark and mark.args else 0.0
+
+    timed = sorted((i for i in items if cost(i) > 0), key=cost, reverse=True)  # sorted() is stable
+    items[:] = timed + [i for i in items if cost(i) == 0]
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     """``tiny_config("gemma2", initializer_range=0.2)``: a fresh tiny config dict for one family

@@ -43,6 +43,21 @@ def _load_model(directory: Path, threads: int | None):
         raise RunnerError(f"onnxruntime-genai could not load {directory}: {type(exc).__name__}: {exc}") from None
 
 
+def _warn_on_saturating_int8(directory: Path) -> None:
+    """The same warning :class:`~export.onnxruntime.runner.OnnxRuntimeRunner` gives: a u8s8 export
+    (its manifest says) loaded on a CPU whose int8 GEMM saturates it. A directory without our
+    manifest (the model builder's) says nothing about its int8 format, and gets no warning."""
+    from export.onnxruntime.int8_format import warn_if_saturates
+    from export.onnxruntime.runner import MANIFEST
+
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return
+    fmt = (manifest.get("quantization") or {}).get("int8_format") or {}
+    warn_if_saturates(fmt.get("format"), str(directory))
+
+
 class GenaiRunner(Runner):
     """An export directory run by ``onnxruntime_genai`` (CPU). ``max_seq_len`` is the search
     ``max_length`` its KV buffers are sized for (``genai_config.json``'s, unless given)."""
@@ -58,6 +73,7 @@ class GenaiRunner(Runner):
         self._og = og
         self.max_seq_len = int(max_seq_len or self.config["search"]["max_length"])
         self._gen = None
+        _warn_on_saturating_int8(self.path)
         self.reset()
 
     def reset(self) -> None:

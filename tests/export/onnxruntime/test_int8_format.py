@@ -106,3 +106,24 @@ def test_a_pipeline_device_profile_decides_auto():
         assert opts.for_run(SimpleNamespace(device_profile=device), "x") is opts
     fixed = OnnxRuntimeOptions(int8_format="u8u8")
     assert fixed.for_run(SimpleNamespace(device_profile="pixel-8"), "x").resolved_int8_format()["format"] == "u8u8"
+
+
+def test_genai_runner_warns_on_a_u8s8_directory(tmp_path, monkeypatch):
+    """onnxruntime-genai runs the same MatMulInteger kernels: its runner warns like the plain one,
+    from our manifest; a directory without one (the model builder's) is not warned about."""
+    import json
+    import warnings
+
+    from export.onnxruntime import genai_runner
+
+    monkeypatch.setattr(fmt, "host_u8s8_saturates", lambda: True)
+    monkeypatch.setattr(genai_runner, "_load_model", lambda d, t: (object(), {"search": {"max_length": 64}}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"quantization": {"int8_format": {"format": "u8s8"}}}))
+    with pytest.warns(RuntimeWarning, match="u8s8.*saturating"):
+        genai_runner.GenaiRunner(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"quantization": {"int8_format": {"format": "u8u8"}}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        genai_runner.GenaiRunner(tmp_path)
+        (tmp_path / "manifest.json").unlink()
+        genai_runner.GenaiRunner(tmp_path)

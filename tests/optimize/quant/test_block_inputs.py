@@ -79,3 +79,69 @@ def test_replay_refuses_an_unusable_chain():
     with pytest.raises(RuntimeError, match="forced"):
         with chain.replay(0):
             pass
+
+
+def _recorded(chain) -> tuple[list, list]:
+    return chain.calls, chain.hidden
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "gpt2"])
+def test_capture_runs_the_blocks_on_the_first_window_only_and_records_what_they_would(model_type, monkeypatch):
+    """Windows after the first pass through blocks that return their input (the blocks' other
+    arguments come from the model's input): what is recorded equals a capture that runs every
+    block on every window, and a block's layers run only for window 0 and the chain's check."""
+    from tiny_families import family
+
+    from optimize.quant import block_inputs
+    from optimize.quant.block_inputs import BlockChain, _same
+    from train.model_parts import decoder_blocks
+
+    over = {"sliding_window": 16} if model_type == "gemma3_text" else {}
+    model = family(model_type, **over)
+    blocks = [n for n, _ in decoder_blocks(model)]
+    inner = [m for m in model.get_submodule(blocks[0]).modules() if not list(m.children())][0]  # a layer of block 0
+    calls = []
+    inner.register_forward_pre_hook(lambda m, a: calls.append(1))
+    windows = _windows(4)
+    fast = BlockChain.capture(model, blocks, windows)
+    assert fast.ok, fast.why
+    assert len(calls) == 2  # window 0, then the chain's check replays block 0 on it
+    monkeypatch.setattr(block_inputs, "_same", lambda a, b: False)  # the probe disagrees: every window runs
+    calls.clear()
+    slow = BlockChain.capture(model, blocks, windows)
+    assert slow.ok and len(calls) == len(windows) + 1
+    monkeypatch.undo()  # _same compares containers by calling itself
+    assert _same(fast.calls, slow.calls) and _same(fast.hidden, slow.hidden)
+    assert fast.tails == slow.tails or _same(list(fast.tails), list(slow.tails))
+
+
+def test_capture_runs_every_block_when_a_block_argument_follows_the_hidden_states():
+    """A model that derives a block's keyword argument from the previous block's output (here a
+    hook scales block 1's position embeddings by its input) cannot pass windows through: the probe
+    on window 0 sees the difference, and every window runs the real blocks."""
+    from tiny_families import family
+
+    from optimize.quant.block_inputs import BlockChain, _same
+    from train.model_parts import decoder_blocks
+
+    model = family("llama")
+    blocks = [n for n, _ in decoder_blocks(model)]
+
+    def follow(_m, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        cos, sin = kwargs["position_embeddings"]
+        return args, kwargs | {"position_embeddings": (cos * hidden.abs().mean(), sin)}
+
+    model.get_submodule(blocks[1]).register_forward_pre_hook(follow, with_kwargs=True)
+    windows = _windows(3)
+    chain = BlockChain.capture(model, blocks, windows)
+    assert chain.ok, chain.why
+    want = []
+    rec = model.get_submodule(blocks[1]).register_forward_pre_hook(
+        lambda m, a, k: want.append(k["position_embeddings"][0].clone()), with_kwargs=True)
+    with torch.no_grad():
+        for w in windows:
+            model(w.view(1, -1), use_cache=False)
+    rec.remove()
+    got = [kwargs["position_embeddings"][0] for _args, kwargs in chain.calls[1]]
+    assert len(got) == len(windows) and _same(got, want)
