@@ -43,6 +43,11 @@ GENAI_CONFIG = "genai_config.json"
 EXTERNAL_DATA_AUTO_BYTES = 256 << 20
 
 
+def _quantized_modules(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+            and type(m.weight) not in (torch.Tensor, torch.nn.Parameter)]
+
+
 def _kv_layout(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(kv_heads, head_dim) per layer, read from a real 2-token forward (covers GQA and MQA)."""
     from transformers import DynamicCache

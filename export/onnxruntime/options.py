@@ -183,10 +183,5 @@ def _dynamo_option_problems(opts: OnnxRuntimeOptions) -> list[str]:
     return []
 
 
-def _quantized_modules(model: torch.nn.Module) -> list[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-            and type(m.weight) not in (torch.Tensor, torch.nn.Parameter)]
-
-
 def _options(options) -> OnnxRuntimeOptions:
     return options if isinstance(options, OnnxRuntimeOptions) else OnnxRuntimeOptions.model_validate(dict(options or {}))
