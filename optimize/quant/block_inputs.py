@@ -147,32 +147,34 @@ class BlockChain:
         return chain
 
     @contextmanager
-    def _passing_through(self) -> Iterator[None]:
-        """While open, every block returns its input unchanged, in the form it returns its output."""
+    def _passing_through(self, last: torch.Tensor | None = None) -> Iterator[None]:
+        """While open, every block returns its input unchanged, in the form it returns its output;
+        with ``last``, the last block returns ``last`` instead (:meth:`replay`'s carried states)."""
+        final = len(self.mods) - 1
+
         def pass_through(i: int):
             def forward(*args, **kwargs):
-                return self._shaped(i, args[0] if args else kwargs["hidden_states"])
+                hidden = args[0] if args else kwargs["hidden_states"]
+                # the carried states may sit on the blocks' compute device; the head runs with the model
+                return self._shaped(i, last.to(hidden.device) if last is not None and i == final else hidden)
             return forward
 
-        saved = [mod.__dict__.get("forward") for mod in self.mods]
+        saved = [mod.__dict__.get("forward") for mod in self.mods]  # a wrapper's own forward, if any
         for i, mod in enumerate(self.mods):
             mod.forward = pass_through(i)
         try:
             yield
         finally:
-            self._restore_forwards(saved)
+            for mod, old in zip(self.mods, saved):
+                if old is None:
+                    mod.__dict__.pop("forward", None)  # the class's forward is back
+                else:
+                    mod.forward = old
 
     def _shaped(self, i: int, hidden: torch.Tensor):
         """``hidden`` in the form block ``i`` returns its output (recorded on window 0)."""
         tail = self.tails[i]
         return hidden if tail is None else type(tail)((hidden, *tail))
-
-    def _restore_forwards(self, saved: list) -> None:
-        for mod, old in zip(self.mods, saved):
-            if old is None:
-                mod.__dict__.pop("forward", None)  # the class's forward is back
-            else:
-                mod.forward = old
 
     def _check(self) -> None:
         """Replaying block i on its recorded input must give block i+1's recorded input (window 0)."""
@@ -216,19 +218,5 @@ class BlockChain:
         directly, so passing the input through is what the blocks in between would have carried)."""
         if not self.ok:
             raise RuntimeError(f"BlockChain.replay on a chain that is not usable: {self.why}")
-        last = len(self.mods) - 1
-
-        def stand_in(i: int):
-            def forward(*args, **kwargs):
-                hidden = args[0] if args else kwargs["hidden_states"]
-                # the carried states may sit on the blocks' compute device; the head runs with the model
-                return self._shaped(i, self.hidden[j].to(hidden.device) if i == last else hidden)
-            return forward
-
-        saved = [mod.__dict__.get("forward") for mod in self.mods]  # a wrapper's own forward, if any
-        for i, mod in enumerate(self.mods):
-            mod.forward = stand_in(i)
-        try:
+        with self._passing_through(self.hidden[j]):
             yield
-        finally:
-            self._restore_forwards(saved)
