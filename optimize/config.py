@@ -59,6 +59,10 @@ class ChecksConfig(Strict):
                                description="lm-eval tasks scored in each selected row's runtime (docs/tasks.md)")
     memory: bool = Field(True, description="measure each export row's peak resident memory in a child process "
                          "(load + prefill of max_seq_len + decode; optimize/memory.py, docs/devices.md)")
+    baseline_cache: bool = Field(
+        False, description="reuse the baseline's perplexity and log-probabilities from an earlier run of the very "
+        "same model (every weight's bytes) on the same text, toolchain and threads, kept under "
+        "$OPTIMIZE_CACHE/baselines (the 4 most recently used; a few hundred MB each for a small model)")
 
 
 class PipelineConfigBase(Strict):

@@ -45,6 +45,33 @@ class RunState:
     say: Callable[[str], None] = print
 
 
+def measure_baseline(state: RunState, model: torch.nn.Module) -> tuple[Metrics, dict]:
+    """The model as loaded: :func:`measure_eager` keeping its log-probabilities as the baseline,
+    or, with ``checks.baseline_cache``, the accuracy an earlier run measured on the very same
+    model and text (:mod:`optimize.checks.baseline_cache`); latency is always measured. Returns
+    the metrics and what the cache did (empty when it is off)."""
+    from optimize.checks import baseline_cache
+
+    cfg = state.cfg
+    if not (cfg.checks.accuracy and cfg.checks.baseline_cache):
+        return measure_eager(state, model, keep_baseline=True, timed=True), {}
+    key = baseline_cache.baseline_key(model, state.eval_windows, threads=cfg.checks.latency.threads)
+    if key is None:
+        state.say("baseline cache: the model has tensors without plain bytes to key it by; measuring")
+        return measure_eager(state, model, keep_baseline=True, timed=True), {"used": False, "reason": "unkeyable"}
+    hit = baseline_cache.load(key, state.baseline_logits)
+    if hit is None:
+        m = measure_eager(state, model, keep_baseline=True, timed=True)
+        path = baseline_cache.store(key, state.baseline_logits, m.perplexity, m.eval_tokens)
+        return m, {"used": False, "key": key, "stored": str(path)}
+    state.say(f"baseline: perplexity and log-probabilities reused from {hit.path} (same weights, text and toolchain)")
+    m = Metrics(params=parameter_count(model), size_mb=serialized_bytes(model) / MIB, perplexity=hit.perplexity,
+                eval_tokens=hit.tokens, top1_agreement=1.0, kl_divergence=0.0, perplexity_delta_pct=0.0)
+    if cfg.checks.latency.enabled:
+        fill_latency(m, EagerRunner(model), state)
+    return m, {"used": True, "key": key, "path": str(hit.path)}
+
+
 def measure_eager(state: RunState, model: torch.nn.Module, *, keep_baseline: bool = False, timed: bool = True) -> Metrics:
     cfg = state.cfg
     runner = EagerRunner(model)

@@ -36,7 +36,7 @@ from optimize.device import DTYPES, floating_dtype, place, resolve_device
 from optimize.errors import ConfigError
 from optimize.gates import evaluate_gates
 from optimize.gates_config import GatesConfig, MetricGoal
-from optimize.measure import RunState, measure_eager, measure_runner, score_tasks
+from optimize.measure import RunState, measure_baseline, measure_eager, measure_runner, score_tasks
 from optimize.progress import Callback, Progress
 from optimize.report import Metrics, Report, StageRow, write_report
 from optimize.resources import PeakMemory, release_free_heap
@@ -209,7 +209,9 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
     meter = PeakMemory(device).start()
     base_row = StageRow(index=-1, name="baseline", kind="baseline", details={"source": loaded.description})
     _hub().begin("baseline", message="measuring the model as loaded")
-    base_row.metrics = measure_eager(state, model, keep_baseline=True, timed=True)
+    base_row.metrics, cached = measure_baseline(state, model)
+    if cached:
+        base_row.details["baseline_cache"] = cached
     _score_tasks(state, base_row, model)
     base_row.wall_s = time.perf_counter() - t0
     base_row.resources = meter.stop()

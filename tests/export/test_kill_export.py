@@ -2,10 +2,12 @@
 ExecuTorch and the ONNX Runtime exporter.
 
 The points are found, not guessed: the export runs once (the *previous* artifact) while every
-rename/unlink/rmtree that touches a visible path of the output directory is recorded. A forked
-child (sharing the loaded model, so no re-import) then re-exports a distinguishable artifact
-(same model, one extra tokenizer token) and SIGKILLs itself right before the k-th such step,
-or right after the export returns. After each kill the directory must hold the previous
+rename/unlink/rmtree that touches a visible path of the output directory is recorded. A child
+process then re-exports a distinguishable artifact (same model, one extra tokenizer token) and
+SIGKILLs itself right before the k-th such step, or right after the export returns. The child is
+a fresh interpreter that rebuilds the seeded model, not a fork of the test worker: a fork of a
+pytest-xdist worker inherits its other threads' locks, and one such child hung in CI for 600 s
+before doing anything. After each kill the directory must hold the previous
 complete artifact whose manifest matches every file's sha256, or nothing; stray temporary
 entries (dot-names) are tolerated but counted. A rerun must then succeed and verify.
 """
@@ -15,10 +17,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import shutil
 import signal
-import time
-import traceback
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,19 +40,30 @@ def _quiet(*_a, **_k):
     pass
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_config):
+def _build_tiny():
+    """The seeded one-block Llama; the children build the very same one."""
+    from tests.conftest import TINY_CONFIGS
     from train.sources import RandomSource, load_model
 
-    return load_model(RandomSource(config=tiny_config("llama", num_hidden_layers=1, initializer_range=0.2), seed=0))
+    return load_model(RandomSource(config={**TINY_CONFIGS["llama"], "num_hidden_layers": 1, "initializer_range": 0.2},
+                                   seed=0))
+
+
+def _with_extra_token(tokenizer):
+    """Same model, one extra token: every export with it differs in its tokenizer files."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<kill-test-token>"])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _build_tiny()
 
 
 @pytest.fixture(scope="module")
 def other_tokenizer(tiny):
-    """Same model, one extra token: every export with it differs in its tokenizer files."""
-    tok = copy.deepcopy(tiny.tokenizer)
-    tok.add_tokens(["<kill-test-token>"])
-    return tok
+    return _with_extra_token(tiny.tokenizer)
 
 
 # ---- recording / killing at the steps that change the visible directory
@@ -116,38 +130,50 @@ def _sibling_litter(out: Path) -> list[str]:
     return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
 
 
-def _fork_export(name, model, tokenizer, out, kill_at, patch) -> int:
-    """Fork; the child exports and SIGKILLs itself at step ``kill_at`` (1-based) or AFTER."""
-    pid = os.fork()
-    if pid == 0:  # child: never return into pytest
-        try:
-            count = 0
+def _child(name: str, out: str, kill_at: str, lowered: str) -> None:
+    """The child's body (a fresh interpreter): export the other-tokenizer artifact, SIGKILL at step
+    ``kill_at`` (1-based) or AFTER. ``lowered``: a pickle of ExecuTorch's captured lowering, or ''."""
+    tiny = _build_tiny()
+    tokenizer = _with_extra_token(tiny.tokenizer)
+    count = 0
 
-            def hook(step):
-                nonlocal count
-                count += 1
-                if count == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
+    def hook(step):
+        nonlocal count
+        count += 1
+        if str(count) == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
-            _Steps(out, hook).install()
-            patch()
-            get_exporter(name).export(model, tokenizer, out, OPTIONS[name], log=_quiet)
-            if kill_at == AFTER:
-                os.kill(os.getpid(), signal.SIGKILL)
-            os._exit(0)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(3)
-    deadline = time.time() + 600
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if time.time() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"{name} export child did not finish in 600 s (kill point {kill_at})")
-        time.sleep(0.1)
+    if lowered:
+        import export.executorch.exporter as et
+
+        result = pickle.loads(Path(lowered).read_bytes())
+        et.lower_to_pte = lambda *a, **k: result
+    _Steps(Path(out), hook).install()
+    get_exporter(name).export(tiny.model, tokenizer, Path(out), OPTIONS[name], log=_quiet)
+    if kill_at == AFTER:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_CHILD = """import importlib.util, sys
+spec = importlib.util.spec_from_file_location("kill_export_child", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+mod._child(*sys.argv[2:])
+"""
+
+
+def _run_child(name, out, kill_at, lowered: Path | None) -> int:
+    """The child's return code: -SIGKILL where it killed itself as told."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, __file__, name, str(out), str(kill_at),
+                               str(lowered or "")], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} export child did not finish in 600 s (kill point {kill_at})")
+    if proc.returncode != -signal.SIGKILL:
+        print(proc.stderr[-4000:], file=sys.stderr)
+    return proc.returncode
 
 
 @pytest.mark.parametrize("name", ["executorch", "onnxruntime"])
@@ -175,12 +201,10 @@ def test_sigkill_at_every_step_leaves_old_or_nothing_and_rerun_succeeds(name, ti
     pristine = tmp_path / "pristine"
     shutil.copytree(out, pristine, ignore=shutil.ignore_patterns(".*"))
 
-    def patch():
-        if lowered:
-            import export.executorch.exporter as et
-
-            et.lower_to_pte = lambda *a, **k: lowered["result"]
-
+    lowered_file = None
+    if lowered:
+        lowered_file = tmp_path / "lowered.pickle"
+        lowered_file.write_bytes(pickle.dumps(lowered["result"]))
     patch_in_parent = (lambda: monkeypatch.setattr("export.executorch.exporter.lower_to_pte",
                                                    lambda *a, **k: lowered["result"])) if lowered else (lambda: None)
 
@@ -202,9 +226,9 @@ def test_sigkill_at_every_step_leaves_old_or_nothing_and_rerun_succeeds(name, ti
     for k in points:
         shutil.rmtree(out)
         shutil.copytree(pristine, out)
-        status = _fork_export(name, tiny.model, other_tokenizer, out, k, patch)
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
-            f"{name}: the child was to die at step {k} of {steps} but ended with status {status}")
+        status = _run_child(name, out, k, lowered_file)
+        assert status == -signal.SIGKILL, (
+            f"{name}: the child was to die at step {k} of {steps} but ended with status {status} (its stderr above)")
         try:
             state, manifest, litter = _state(out)
         except AssertionError as exc:

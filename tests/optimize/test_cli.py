@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -302,3 +303,18 @@ def test_pipeline_progress_flag_bars_on_a_terminal_messages_only_otherwise(tiny_
     assert main(["pipeline", str(path), "--progress", "resume=false"]) == 0
     err = capsys.readouterr().err
     assert "stages:" in err and "stage 0:test_noise: " in err
+
+
+def test_noise_filter_drops_library_chatter_but_never_our_own_warnings():
+    """A warning of ours that quotes a library's "Failed to load ..." reaches the user (the C++
+    tokenizer's refusal, in the runner fallback's warning, was dropped with torchao's noise)."""
+    from optimize.cli import _DropNoise
+
+    def record(name, msg):
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, None, None)
+
+    noise = _DropNoise()
+    assert not noise.filter(record("torchao", "Failed to load /x/_C.so: undefined symbol"))
+    assert noise.filter(record("torchao", "something else"))
+    assert noise.filter(record("optimize.generate", "using the Python loop instead: Failed to load tokenizer"))
+    assert noise.filter(record("export.executorch.runner", "Failed to load x"))

@@ -92,4 +92,67 @@ def test_cached_block_inputs_give_the_prefix_rerun_result(model_type, monkeypatc
 
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "opt"])
+def test_calibration_forwards_stop_after_the_last_target_and_quantize_the_same(model_type, monkeypatch):
+    """After the first window, each calibration forward ends at the last target's input (the
+    output head's 49152-wide product, a block's down projection): the head runs once, not once
+    per window, and every integer and scale equals a run whose forwards all go to the end."""
+    import copy
+
+    from tiny_families import family  # tests/optimize is on sys.path (its conftest)
+
+    from optimize.quant import gptq_sequential as gptq_mod
+    from optimize.quant.fakequant import WeightScheme
+
+    model = family(model_type).eval()
+    head = model.get_output_embeddings()
+    targets = {n: WeightScheme(4, 32, True) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and m.in_features % 32 == 0}
+    windows = [torch.randint(1, 500, (48,), generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def run(stopping: bool):
+        m = copy.deepcopy(model)
+        ran = []
+        m.get_output_embeddings().register_forward_hook(lambda *_: ran.append(1))
+        if not stopping:
+            monkeypatch.setattr(gptq_mod._StopAfterLastInput, "window", lambda self, feed: feed())
+        result = gptq_mod.gptq_model(m, targets, windows)
+        monkeypatch.undo()
+        return result, len(ran)
+
+    stopped, head_runs = run(True)
+    whole, head_runs_whole = run(False)
+    assert head_runs == 1 and head_runs_whole == len(windows), (head_runs, head_runs_whole)
+    assert set(stopped.layers) == set(whole.layers) == set(targets) and head in dict(model.named_modules()).values()
+    for name, a in stopped.layers.items():
+        b = whole.layers[name]
+        assert torch.equal(a.q, b.q), name
+        assert torch.equal(a.scale, b.scale), name
+
+
+def test_a_target_that_runs_twice_a_forward_turns_the_stop_off():
+    """A Linear called a data-dependent number of times (an expert, a weight shared by two calls)
+    may get inputs after the others have all had theirs: no window stops early then."""
+    from optimize.quant.gptq_sequential import HessianCollector, _StopAfterLastInput
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.a(self.b(self.a(x)))  # a, b, then a again
+
+    model = Twice()
+    xs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    collector = HessianCollector(model, ["a", "b"])
+    stopper = _StopAfterLastInput(model, ["a", "b"])
+    with torch.no_grad():
+        for x in xs:
+            stopper.window(lambda x=x: model(x))
+    stopper.close()
+    collector.close()
+    assert not stopper.armed and collector.tokens == {"a": 24, "b": 12}
+
+
 # ---- on a device: the pipeline's placement (whole model there) and one block at a time from the CPU
