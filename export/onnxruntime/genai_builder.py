@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -135,4 +136,23 @@ def build(hf_dir: Path, out_dir: Path, *, precision: str = "fp32", extra_options
             builder_mod.get_hf_details = original
     if not (Path(out_dir) / "model.onnx").is_file():
         raise BuilderError(f"onnxruntime-genai model builder wrote no model.onnx in {out_dir}:\n{out.getvalue()[-2000:]}")
+    drop_load_arguments(Path(out_dir) / "tokenizer_config.json")
     return out.getvalue()
+
+
+#: arguments of the builder's own ``AutoTokenizer.from_pretrained`` that transformers echoes into
+#: the tokenizer_config.json it saves: how that process loaded the tokenizer, not the tokenizer
+LOAD_ARGUMENTS = ("local_files_only",)
+
+
+def drop_load_arguments(path: Path) -> None:
+    """Remove :data:`LOAD_ARGUMENTS` from a saved tokenizer_config.json. The builder loads the
+    tokenizer without ``local_files_only``, and transformers turns it on where the process started
+    with ``HF_HUB_OFFLINE=1``: the same model exported in two environments differed in this one
+    key, so its manifest's sha256 did too (seen between a test worker and its child process)."""
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    if any(k in data for k in LOAD_ARGUMENTS):
+        path.write_text(json.dumps({k: v for k, v in data.items() if k not in LOAD_ARGUMENTS}, indent=2,
+                                   ensure_ascii=False) + "\n")

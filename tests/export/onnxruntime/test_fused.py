@@ -480,3 +480,21 @@ def test_quantize_export_refuses_the_fused_graph(tmp_path):
     res = OnnxRuntimeExporter().export(lm.model, lm.tokenizer, tmp_path / "f", {}, log=_quiet)
     with pytest.raises(ExportError, match="quantize_export runs ORT's quantizer on a dynamo export"):
         OnnxRuntimeExporter().quantize_export(res.artifact, tmp_path / "q", {"quantize": "dynamic"}, log=_quiet)
+
+
+def test_the_builders_tokenizer_config_does_not_say_how_it_was_loaded(tmp_path):
+    """The builder's ``from_pretrained`` echoes ``local_files_only`` into the tokenizer_config.json
+    it saves, false or true as the process's ``HF_HUB_OFFLINE`` was at import: the same export
+    then hashed differently in a test worker and its child. The key goes; the rest stays as written."""
+    from export.onnxruntime.genai_builder import LOAD_ARGUMENTS, drop_load_arguments
+
+    path = tmp_path / "tokenizer_config.json"
+    kept = {"bos_token": "<|im_start|>", "model_max_length": 1024, "chat_template": "{{ 'é' }}"}
+    for value in (True, False):
+        path.write_text(json.dumps({**kept, "local_files_only": value}))
+        drop_load_arguments(path)
+        assert json.loads(path.read_text()) == kept and "local_files_only" in LOAD_ARGUMENTS
+    before = path.read_bytes()
+    drop_load_arguments(path)  # nothing to drop: the file is not rewritten
+    assert path.read_bytes() == before
+    drop_load_arguments(tmp_path / "absent.json")  # a builder that wrote none: nothing to do
