@@ -34,10 +34,10 @@ MARGIN = 1.0
 SHORTENED = {"qat": {"stages.0.steps": 10}, "smollm2": {"stages.1.gptq.calibration_windows": 16},
              "smollm2_onnx_int4": {"stages.1.gptq.calibration_windows": 16}}
 NOT_RUN = {"prune_distill": "a 25-minute distillation; measured by bench/compress.py"}
-#: minutes each example takes here on one core of a 2-core AMD EPYC (AVX2) with the other core busy
-#: (2026-11-27, with SHORTENED and the shared baseline; ``minutes`` marks: tests/conftest.py starts the longest first)
-MINUTES = {"smollm2_onnx_int4": 9.0, "smollm2": 8.5, "qat": 6.0, "smollm2_torchchat": 5.5,
-           "smollm2_onnx_int4_grid": 4.5, "smollm2_grid": 2.5, "smollm2_int8": 2.5, "smollm2_onnx": 1.5, "tiny": 0.2}
+#: minutes each example took in a CI run (2-core AMD EPYC, AVX2, two test workers; 2026-11-27, with
+#: SHORTENED and the shared baseline; ``minutes`` marks: tests/conftest.py starts the longest first)
+MINUTES = {"smollm2_onnx_int4": 9.6, "smollm2": 7.5, "smollm2_torchchat": 6.3, "qat": 6.2,
+           "smollm2_onnx_int4_grid": 4.6, "smollm2_int8": 1.7, "smollm2_grid": 1.2, "smollm2_onnx": 1.2, "tiny": 0.2}
 
 
 def _pipelines() -> list[str]:
