@@ -78,7 +78,7 @@ class _StopAfterLastInput:
     """Ends a calibration forward once every target Linear has received its input.
 
     What runs after that (the down projection and the residual of a block; a 49152-wide output
-    head in float64, 1.5 s a window on one core) computes outputs the calibration throws away.
+    head in float64, about 1.2 s a window on one core) computes outputs the calibration throws away.
     Registered after the :class:`HessianCollector`'s hooks, so the collector sees the last input
     first. Only where the first window called each target exactly once (a dense model): where a
     Linear runs a data-dependent number of times (a mixture of experts' routed experts), a later
