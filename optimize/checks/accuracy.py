@@ -62,7 +62,12 @@ class BaselineLogits:
         return len(self.top1)
 
     def _file(self, i: int) -> Path:
-        return Path(self.directory) / f"logprobs-{i:05d}.pt"
+        return Path(self.directory) / logprobs_file(i)
+
+
+def logprobs_file(i: int) -> str:
+    """The name of window ``i``'s log-probability file (in a spill directory or a cache entry)."""
+    return f"logprobs-{i:05d}.pt"
 
 
 @dataclass

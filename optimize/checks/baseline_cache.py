@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from optimize.checks.accuracy import BaselineLogits
+from optimize.checks.accuracy import BaselineLogits, logprobs_file
 from targets.atomic import atomic_dir
 
 CACHE_VERSION = 1
@@ -113,7 +113,7 @@ def load(key: str, into: BaselineLogits, root: Path | None = None) -> CachedBase
         n = int(result["windows"])
         if not isinstance(top1, list) or len(top1) != n or result.get("key") != key:
             return None
-        files = [entry / f"logprobs-{i:05d}.pt" for i in range(n)]
+        files = [entry / logprobs_file(i) for i in range(n)]
         if not all(f.is_file() for f in files):
             return None
         if into.directory is None:
@@ -138,7 +138,7 @@ def store(key: str, baseline: BaselineLogits, perplexity: float, tokens: int, ro
     if not (entry / RESULT).is_file():
         with atomic_dir(entry, keep_existing=True) as tmp:
             for i in range(len(baseline)):
-                dst = tmp / f"logprobs-{i:05d}.pt"
+                dst = tmp / logprobs_file(i)
                 if baseline.directory is None:
                     torch.save(baseline.logprobs[i], dst)
                 else:

@@ -196,12 +196,11 @@ class BlockChain:
         return self  # the tails stay with the model: replay hands them to its head
 
     @torch.no_grad()
-    def run_block(self, i: int, j: int | None = None) -> None:
-        """Run block ``i`` on window ``j``'s current input, or every window's (its Linears' hooks
-        see the inputs; the output is not kept)."""
-        for j in range(len(self.hidden)) if j is None else [j]:
-            args, kwargs = self.calls[i][j]
-            self.mods[i](self.hidden[j], *args, **kwargs)
+    def run_block(self, i: int, j: int) -> None:
+        """Run block ``i`` on window ``j``'s current input (its Linears' hooks see the input; the
+        output is not kept)."""
+        args, kwargs = self.calls[i][j]
+        self.mods[i](self.hidden[j], *args, **kwargs)
 
     @torch.no_grad()
     def advance(self, i: int) -> None:

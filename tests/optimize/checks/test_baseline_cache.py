@@ -115,3 +115,14 @@ def test_only_the_most_recently_used_entries_stay(tmp_path, monkeypatch):
     _entry(root, "d" * 24)  # storing evicts the least recently used
     assert sorted(p.name[0] for p in root.iterdir()) == ["c", "d"]
     assert baseline_cache.load("c" * 24, BaselineLogits(), root=root) is not None  # in memory without a directory
+
+
+def test_a_wrong_value_or_a_misspelt_key_names_its_yaml_path(tiny_cfg):
+    from optimize.errors import ConfigError
+
+    for checks, expected in (({"baseline_cache": "sometimes"}, "checks.baseline_cache"),
+                             ({"baseline_cach": True}, "baseline_cache")):
+        cfg = copy.deepcopy(tiny_cfg) | {"checks": checks}
+        with pytest.raises(ConfigError) as info:
+            load_config(cfg)
+        assert expected in str(info.value), str(info.value)
