@@ -160,31 +160,32 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
         tok.save_pretrained(tmp)
         _write_legacy_rope(tmp)
         (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-    _drop_stale_conversions(target)
+    _drop_stale_conversions(target, str(gguf.resolve()))
     return target
 
 
-def _drop_stale_conversions(fresh: Path) -> None:
+def _drop_stale_conversions(fresh: Path, source: str) -> None:
     """Remove the conversions that no load can hit again: those of a GGUF file that is gone,
-    and older ones of the file ``fresh`` was converted from (its key holds the file's size and
-    mtime, so a reinstall or an edit makes a new entry). Without this every reinstall of a
-    bundled model left another full-precision copy behind (500 MB each for SmolLM2-135M).
+    and older ones of ``source``, the file ``fresh`` was converted from (its key holds the file's
+    size and mtime, so a reinstall or an edit makes a new entry). Without this every reinstall of
+    a bundled model left another full-precision copy behind (500 MB each for SmolLM2-135M).
     Conversions of other GGUF files that still exist are kept; a directory without a readable
     ``source.json`` is not ours to judge and stays."""
-    try:
-        source = json.loads((fresh / "source.json").read_text())["gguf"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
     for entry in fresh.parent.iterdir():
         if entry == fresh or entry.name.startswith(".") or not entry.is_dir():
             continue  # a conversion in progress is a dot-prefixed temporary sibling
-        try:
-            origin = json.loads((entry / "source.json").read_text())["gguf"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if origin == source or not Path(origin).is_file():
+        origin = _conversion_source(entry)
+        if origin is not None and (origin == source or not Path(origin).is_file()):
             log.info("removing stale GGUF conversion %s (source %s)", entry, origin)
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _conversion_source(entry: Path) -> str | None:
+    """The GGUF path a conversion's ``source.json`` names; None where it has none readable."""
+    try:
+        return str(json.loads((entry / "source.json").read_text())["gguf"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _write_legacy_rope(model_dir: Path) -> None:

@@ -243,7 +243,7 @@ def test_a_conversion_removes_only_the_conversions_no_load_can_hit(tmp_path):
     kept = _conversion(root, "other-1", other)
     foreign = _conversion(root, "unknown", None)
     in_progress = _conversion(root, ".m-new.123.abc.tmp", model)
-    _drop_stale_conversions(fresh)
+    _drop_stale_conversions(fresh, str(model))
     assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in (fresh, kept, foreign, in_progress))
     assert not older.exists() and not gone.exists()
 
