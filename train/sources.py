@@ -15,12 +15,9 @@ tensors named: see :mod:`train.causal_lm`.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -31,6 +28,7 @@ from pydantic import Field
 from targets.atomic import atomic_dir
 from targets.config_base import Strict
 from train import causal_lm, weight_files
+from train.model_cache import conversion_dir, drop_stale_conversions, record_source
 
 log = logging.getLogger("optimize")
 
@@ -96,15 +94,6 @@ class LoadedModel:
     local_dir: Path | None = None
 
 
-def cache_root(explicit: Path | None = None) -> Path:
-    if explicit is not None:
-        return Path(explicit)
-    env = os.environ.get("OPTIMIZE_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edge-optimize"
-
-
 def bundled_gguf_path(name: str) -> Path:
     try:
         package, filename, hint = BUNDLED_MODELS[name]
@@ -119,18 +108,12 @@ def bundled_gguf_path(name: str) -> Path:
     return path
 
 
-def _gguf_cache_dir(gguf: Path, cache_dir: Path | None) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root(cache_dir) / "gguf" / f"{gguf.stem}-{key}"
-
-
 def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Convert a GGUF file to a safetensors HF directory once; later calls return the cache."""
     gguf = Path(gguf)
     if not gguf.is_file():
         raise ModelSourceError(f"GGUF file not found: {gguf}")
-    target = _gguf_cache_dir(gguf, cache_dir)
+    target = conversion_dir(gguf, cache_dir)
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         log.info("using cached conversion of %s at %s", gguf.name, target)
         return target
@@ -159,33 +142,9 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         _write_legacy_rope(tmp)
-        (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-    _drop_stale_conversions(target, str(gguf.resolve()))
+        record_source(tmp, gguf)
+    drop_stale_conversions(target, gguf)
     return target
-
-
-def _drop_stale_conversions(fresh: Path, source: str) -> None:
-    """Remove the conversions that no load can hit again: those of a GGUF file that is gone,
-    and older ones of ``source``, the file ``fresh`` was converted from (its key holds the file's
-    size and mtime, so a reinstall or an edit makes a new entry). Without this every reinstall of
-    a bundled model left another full-precision copy behind (500 MB each for SmolLM2-135M).
-    Conversions of other GGUF files that still exist are kept; a directory without a readable
-    ``source.json`` is not ours to judge and stays."""
-    for entry in fresh.parent.iterdir():
-        if entry == fresh or entry.name.startswith(".") or not entry.is_dir():
-            continue  # a conversion in progress is a dot-prefixed temporary sibling
-        origin = _conversion_source(entry)
-        if origin is not None and (origin == source or not Path(origin).is_file()):
-            log.info("removing stale GGUF conversion %s (source %s)", entry, origin)
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _conversion_source(entry: Path) -> str | None:
-    """The GGUF path a conversion's ``source.json`` names; None where it has none readable."""
-    try:
-        return str(json.loads((entry / "source.json").read_text())["gguf"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def _write_legacy_rope(model_dir: Path) -> None:
@@ -352,7 +311,7 @@ def _read_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
             gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name)
             if not gguf.is_file():
                 raise ModelSourceError(f"GGUF file not found: {gguf}")
-            cached = _gguf_cache_dir(gguf, src.cache_dir)
+            cached = conversion_dir(gguf, src.cache_dir)
             if (cached / "config.json").is_file():
                 return AutoConfig.from_pretrained(cached, local_files_only=True)
             return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)

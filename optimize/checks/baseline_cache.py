@@ -41,7 +41,7 @@ _CODE = ("optimize/checks/accuracy.py", "export/runtime.py")
 
 
 def cache_dir() -> Path:
-    from train.sources import cache_root
+    from train.model_cache import cache_root
 
     return cache_root() / "baselines"
 

@@ -4,7 +4,6 @@ with a message naming the file and the reason, before anything is measured."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from pathlib import Path
 
@@ -217,50 +216,3 @@ def test_implausible_sizes_are_refused_before_any_check_runs(bad, named, tiny_co
     with pytest.raises(ModelSourceError, match=re.escape(named)):
         load_model(RandomSource(config=tiny_config("llama", **bad)))
 
-
-def _conversion(root: Path, name: str, source: Path | None) -> Path:
-    entry = root / name
-    entry.mkdir(parents=True)
-    (entry / "config.json").write_text("{}")
-    if source is not None:
-        (entry / "source.json").write_text(json.dumps({"gguf": str(source)}))
-    return entry
-
-
-def test_a_conversion_removes_only_the_conversions_no_load_can_hit(tmp_path):
-    """Every reinstall of a bundled model (a new mtime, a new venv path) used to leave another
-    full-precision copy behind; CI's disk filled with them. Stale: an older key of the same
-    file, or a file that is gone. Kept: other files' conversions, temporaries, foreign dirs."""
-    from train.sources import _drop_stale_conversions
-
-    model, other = tmp_path / "m.gguf", tmp_path / "other.gguf"
-    model.write_bytes(b"x")
-    other.write_bytes(b"y")
-    root = tmp_path / "gguf"
-    fresh = _conversion(root, "m-new", model)
-    older = _conversion(root, "m-old", model)
-    gone = _conversion(root, "gone-1", tmp_path / "deleted.gguf")
-    kept = _conversion(root, "other-1", other)
-    foreign = _conversion(root, "unknown", None)
-    in_progress = _conversion(root, ".m-new.123.abc.tmp", model)
-    _drop_stale_conversions(fresh, str(model))
-    assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in (fresh, kept, foreign, in_progress))
-    assert not older.exists() and not gone.exists()
-
-
-@pytest.mark.slow
-def test_converting_a_reinstalled_gguf_drops_its_older_conversion(tmp_path):
-    """End to end (one real conversion, 40 s): the bundled file, copied as a reinstall would,
-    converts; the conversion its older mtime made is removed; the new one is reused."""
-    import shutil
-
-    from train.sources import _gguf_cache_dir, convert_gguf
-
-    gguf = tmp_path / "model.gguf"
-    shutil.copyfile(bundled_gguf_path("smollm2-135m"), gguf)
-    older = _conversion(tmp_path / "cache" / "gguf", "model-0123456789abcdef", gguf.resolve())
-    assert older != _gguf_cache_dir(gguf, tmp_path / "cache")
-    fresh = convert_gguf(gguf, tmp_path / "cache")
-    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [fresh.name]
-    assert (fresh / "model.safetensors").is_file()
-    assert convert_gguf(gguf, tmp_path / "cache") == fresh  # a hit
