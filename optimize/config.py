@@ -91,6 +91,10 @@ class PipelineConfigBase(Strict):
         "model back in the loaded dtype"
     )
     resume: bool = Field(True, description="reuse finished stages of an earlier run of the same config")
+    stage_cache: bool = Field(
+        False, description="also keep finished stages under $OPTIMIZE_CACHE/stages and reuse them in any run "
+        "directory: the same stages on the same weights (every byte), calibration text, target, device, toolchain "
+        "and code (the 6 most recently used; stages of at least 10 s)")
     tracking: TrackingConfig | None = Field(
         None, description="experiment tracking: tracking.mlflow records params, per-row metrics and the report "
         "in MLflow (the optional `tracking` extra)"

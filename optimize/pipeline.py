@@ -230,6 +230,7 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
     if cfg.resume:
         while done < len(dirs) and ckpt.is_complete(dirs[done]):
             done += 1
+    cache = _stage_cache(state, config_dump, model, device, dtype) if cfg.stage_cache else None
     if done:
         restores = restorers(cfg.stages[:done])
         model, _ = ckpt.load_stage(dirs[done - 1], restores)
@@ -248,47 +249,58 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
     bar = tqdm(total=len(cfg.stages), initial=done, desc="stages", unit="stage", file=sys.stderr, disable=not progress)
     for i in range(done, len(cfg.stages)):
         stage_cfg = cfg.stages[i]
-        spec = get_stage(stage_cfg.kind)
-        label = stage_cfg.label(i)
-        bar.set_postfix_str(label)
-        say(f"stage {label}: {spec.description}")
-        row = StageRow(index=i, name=label, kind=stage_cfg.kind)
-        t0 = time.perf_counter()
-        release_free_heap()  # what the last row's checks freed: the row starts from what is in use
-        meter = PeakMemory(device).start()
-        ctx = StageContext(tokenizer=tokenizer, calibration=state.calibration, train_ids=state.train_ids,
-                           target=profile, work_dir=run_dir / "work" / f"{i:02d}-{stage_cfg.kind}", seed=cfg.seed,
-                           baseline_model=baseline_model, log=say, device=device, dtype=dtype,
-                           on_progress=hub.for_stage(label))
-        ctx.work_dir.mkdir(parents=True, exist_ok=True)
-        hub.begin(label, message=spec.description)
-        try:
-            torch.manual_seed(cfg.seed + i + 1)
-            model = spec.fn(model, stage_cfg, ctx)
-            if model is None:
-                raise RuntimeError(f"stage {stage_cfg.kind!r} returned None instead of the model")
-            release_free_heap()  # what the stage freed, before the checks' logits are allocated
-            model = place(model, device, dtype)  # a stage that built new modules may have left them elsewhere
-            model.eval()
-            state.quantized = state.quantized or stage_cfg.quant_scheme() is not None
-            row.details = ctx.details
-            row.metrics = measure_eager(state, model, timed=not state.quantized or state.profile is None
-                                         or cfg.checks.latency.eager_quantized)
-            _score_tasks(state, row, model)
-        except Exception as exc:  # a broken stage stops the run; earlier work is kept
+        # with the stage cache, one process computes a stage while another that needs it waits, then reuses it
+        with cache.claim(i) if cache is not None else contextlib.nullcontext():
+            reused = _load_cached_stage(state, cache, dirs[i], i) if cache is not None else None
+            if reused is not None:
+                model = place(reused, device, dtype)
+                if not _reuse_cached_stage(state, report, model, dirs[i], i, cache.checks_key):
+                    bar.close()
+                    return
+                bar.update(1)
+                continue
+            spec = get_stage(stage_cfg.kind)
+            label = stage_cfg.label(i)
+            bar.set_postfix_str(label)
+            say(f"stage {label}: {spec.description}")
+            row = StageRow(index=i, name=label, kind=stage_cfg.kind)
+            t0 = time.perf_counter()
+            release_free_heap()  # what the last row's checks freed: the row starts from what is in use
+            meter = PeakMemory(device).start()
+            ctx = StageContext(tokenizer=tokenizer, calibration=state.calibration, train_ids=state.train_ids,
+                               target=profile, work_dir=run_dir / "work" / f"{i:02d}-{stage_cfg.kind}", seed=cfg.seed,
+                               baseline_model=baseline_model, log=say, device=device, dtype=dtype,
+                               on_progress=hub.for_stage(label), cache_dir=cache.root.parent if cache else None)
+            ctx.work_dir.mkdir(parents=True, exist_ok=True)
+            hub.begin(label, message=spec.description)
+            try:
+                torch.manual_seed(cfg.seed + i + 1)
+                model = spec.fn(model, stage_cfg, ctx)
+                if model is None:
+                    raise RuntimeError(f"stage {stage_cfg.kind!r} returned None instead of the model")
+                release_free_heap()  # what the stage freed, before the checks' logits are allocated
+                model = place(model, device, dtype)  # a stage that built new modules may have left them elsewhere
+                model.eval()
+                state.quantized = state.quantized or stage_cfg.quant_scheme() is not None
+                row.details = ctx.details
+                row.metrics = measure_eager(state, model, timed=_timed_eager(state))
+                _score_tasks(state, row, model)
+            except Exception as exc:  # a broken stage stops the run; earlier work is kept
+                row.resources = meter.stop()
+                hub.end(label, message=f"error: {type(exc).__name__}")
+                _record_error(report, row, exc, t0, say)
+                bar.close()
+                return
             row.resources = meter.stop()
-            hub.end(label, message=f"error: {type(exc).__name__}")
-            _record_error(report, row, exc, t0, say)
-            bar.close()
-            return
-        row.resources = meter.stop()
-        hub.end(label)
-        if not _record_gated(report, row, cfg.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
-            bar.close()
-            return
-        row.artifact = str(dirs[i])
-        ckpt.save_stage(dirs[i], model, row.model_dump(mode="json"), stage_cfg.model_dump(mode="json"))
-        report.last_good_artifact = str(dirs[i])
+            hub.end(label)
+            if not _record_gated(report, row, cfg.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
+                bar.close()
+                return
+            row.artifact = str(dirs[i])
+            ckpt.save_stage(dirs[i], model, row.model_dump(mode="json"), stage_cfg.model_dump(mode="json"))
+            if cache is not None:
+                cache.store(i, dirs[i], row.wall_s)
+            report.last_good_artifact = str(dirs[i])
         bar.update(1)
     bar.close()
 
@@ -296,6 +308,70 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
         state.model_digest = ckpt.prefix_hash(config_dump, len(cfg.stages) - 1)
         # exporters trace and lower on the CPU, in the dtype the model was loaded in
         _export(state, place(model, torch.device("cpu"), loaded_dtype), report)
+
+
+def _timed_eager(state: RunState) -> bool:
+    """Whether an eager row's latency is measured (eager torchao kernels are slow on a CPU: a
+    quantized model headed for an export is timed in its runtime unless the config asks)."""
+    return not state.quantized or state.profile is None or state.cfg.checks.latency.eager_quantized
+
+
+def _stage_cache(state: RunState, config_dump: dict, model: torch.nn.Module, device, dtype):
+    """The run's :class:`~optimize.stage_cache.StageCache` (``stage_cache: true``), keyed by the model as loaded."""
+    from optimize.stage_cache import StageCache
+
+    cache = StageCache.for_run(config_dump, len(state.cfg.stages), model, calibration=state.calibration,
+                               train_ids=state.train_ids, profile=state.profile, device=device, dtype=dtype,
+                               checks_key=_checks_key(state.cfg))
+    if cache is None:
+        state.say("stage cache: the model as loaded has tensors without plain bytes to key it by; off for this run")
+    return cache
+
+
+def _load_cached_stage(state: RunState, cache, stage_dir: Path, i: int) -> torch.nn.Module | None:
+    """Stage ``i``'s model from the stage cache (linked into ``stage_dir``), or None on a miss; an
+    entry that does not load is dropped and the stage computed (a damaged cache is never fatal)."""
+    if not cache.fetch(i, stage_dir):
+        return None
+    try:
+        return ckpt.load_stage(stage_dir, restorers(state.cfg.stages[: i + 1]))[0]
+    except Exception as exc:  # noqa: BLE001 - a cache entry that does not load is a miss, whatever broke it
+        state.say(f"stage cache: {type(exc).__name__}: {exc}; computing the stage instead")
+        cache.discard(i)
+        shutil.rmtree(stage_dir, ignore_errors=True)
+        return None
+
+
+def _reuse_cached_stage(state: RunState, report: Report, model: torch.nn.Module, stage_dir: Path, i: int,
+                        checks_key: str) -> bool:
+    """Stage ``i`` as another run computed it (linked into ``stage_dir``): its row, measured again
+    where this run's checks differ, gated by this run's gates. False when a gate stops the run."""
+    from optimize.stage_cache import CHECKS_FILE, measured_with
+    from targets.atomic import atomic_write_json
+
+    cfg = state.cfg
+    row = StageRow.model_validate(ckpt.load_stage_row(stage_dir))
+    state.quantized = state.quantized or cfg.stages[i].quant_scheme() is not None
+    row.details["stage_cache"] = f"reused from {stage_dir.name} in the stage cache"
+    state.say(f"stage {row.name}: reused from the stage cache (the same stages, weights, data and code)")
+    wall = row.wall_s
+    if measured_with(stage_dir) != checks_key:
+        state.say(f"{row.name}: measuring the reused model (this run's checks differ from those of the run "
+                  "that computed it)")
+        row.metrics = measure_eager(state, model, timed=_timed_eager(state))
+        _score_tasks(state, row, model)
+        row.details["stage_cache"] += ", measured again"
+        # replace (never write through) the linked files, so the cache keeps what it was given
+        atomic_write_json(stage_dir / "row.json", row.model_dump(mode="json"))
+        atomic_write_json(stage_dir / CHECKS_FILE, {"checks_key": checks_key})
+    row.artifact = str(stage_dir)
+    ok = _record_gated(report, row, cfg.gates.merged_with(cfg.stages[i].gates), state.baseline_metrics,
+                       time.perf_counter(), state.say)
+    row.wall_s = wall
+    if ok:
+        row.status = "resumed" if row.status == "pass" else row.status
+        report.last_good_artifact = str(stage_dir)
+    return ok
 
 
 def _score_tasks(state: RunState, row: StageRow, model: torch.nn.Module, runner=None) -> None:

@@ -92,6 +92,9 @@ class StageContext:
     #: where :meth:`progress` goes: set by the pipeline to an emitter bound to this stage's row
     #: (:meth:`optimize.progress.Progress.for_stage`); None drops the events
     on_progress: Callable[..., Any] | None = None
+    #: a directory where a stage may keep content-keyed results for other runs (the pipeline sets
+    #: it with ``stage_cache: true``; GPTQ keeps the decoder blocks' results there); None: keep nothing
+    cache_dir: Path | None = None
 
     def progress(self, step: int | None = None, total: int | None = None, *, phase: str = "stage",
                  event: str = "step", loss: float | None = None, tokens_per_s: float | None = None,

@@ -178,6 +178,27 @@ def atomic_dir(final: str | os.PathLike, *, keep_existing: bool = False) -> Iter
         raise
 
 
+@contextlib.contextmanager
+def exclusive(lock_file: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` (created if missing) for the block.
+
+    For caches that several processes fill: the one that takes the lock computes the entry,
+    the others wait here, then find it written and reuse it instead of computing it again (two
+    test workers converting the same GGUF, two pipelines running the same stage). ``flock``
+    locks go with their process, so one that dies mid-way never leaves the others waiting.
+    The lock file stays (deleting it would race with a waiter that has it open)."""
+    import fcntl
+
+    path = Path(lock_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     import hashlib
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -45,20 +48,86 @@ TINY_LLAMA = TINY_CONFIGS["llama"]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``minutes(n)`` run first, longest first; the rest keep their order.
+    """Tests marked ``minutes(n)`` start first, spread over the test workers; the rest keep their order.
 
     Why: ``make test`` runs two pytest-xdist workers with work stealing, which hands each worker a
-    contiguous half of the collection and lets an idle worker take tests from the end of the
-    other's queue. A test that takes a quarter of an hour (a shipped example's AWQ + GPTQ) and is
-    collected late can start when the other worker has nothing left to take, which leaves a core
-    idle for its whole length. Started first, the long tests run while the other worker works
-    through the short ones, and both queues end on tests of seconds."""
-    def cost(item) -> float:
-        mark = item.get_closest_marker("minutes")
-        return float(mark.args[0]) if mark and mark.args else 0.0
+    contiguous share of the collection (the first ``len // workers`` items to one, the rest to the
+    next) and lets an idle worker take tests from the end of another's queue. A test of several
+    minutes collected late can start when the other worker has nothing left to take, leaving a
+    core idle for its whole length; and long tests that all land in one share run one after the
+    other while the other worker has only short ones. So the long tests are dealt to the workers
+    longest first, each to the least loaded (LPT), and each worker's share starts with its own; both
+    queues end on tests of seconds, which are what stealing moves.
 
-    timed = sorted((i for i in items if cost(i) > 0), key=cost, reverse=True)  # sorted() is stable
-    items[:] = timed + [i for i in items if cost(i) == 0]
+    ``minutes(n, chain="name")``: tests of one chain go to one worker in their collection order
+    (the examples: a later one reuses the stages an earlier one computed, so it must not start
+    beside it on the other worker and wait for them)."""
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    units: list[tuple[float, list]] = []
+    chains: dict[str, list] = {}
+    rest = []
+    for item in items:
+        mark = item.get_closest_marker("minutes")
+        if mark is None or not mark.args or float(mark.args[0]) <= 0:
+            rest.append(item)
+            continue
+        chain = mark.kwargs.get("chain")
+        if chain is None:
+            units.append((float(mark.args[0]), [item]))
+        else:
+            if chain not in chains:
+                chains[chain] = []
+                units.append((0.0, chains[chain]))  # its total is filled in below
+            chains[chain].append(item)
+    units = [(sum(_minutes(i) for i in group), group) for _, group in units]
+    units.sort(key=lambda u: u[0], reverse=True)  # sort() is stable: equal costs keep collection order
+    lanes: list[list] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for cost, group in units:
+        k = min(range(workers), key=lambda w: (load[w], w))
+        lanes[k] += group
+        load[k] += cost
+    # xdist's worksteal deals the first len // workers items to one worker, then the same of what is left
+    out, left, n = [], list(rest), len(items)
+    for k, lane in enumerate(lanes):
+        share = (n - len(out)) // (workers - k)
+        take = max(0, share - len(lane)) if k < workers - 1 else len(left)
+        out += lane + left[:take]
+        left = left[take:]
+    items[:] = out + left
+
+
+#: the suite's budget on the 2-core CI host, install included (``make test``; docs/architecture.md, "Tests")
+BUDGET_MINUTES = 40
+#: a test longer than this carries ``@pytest.mark.minutes(n)`` (the summary names any that does not)
+MARK_OVER_S = 60.0
+_TEST_SECONDS: dict[str, tuple[float, bool]] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Each test's seconds (setup, call and teardown), and whether it carries a ``minutes`` mark."""
+    took, marked = _TEST_SECONDS.get(report.nodeid, (0.0, False))
+    _TEST_SECONDS[report.nodeid] = (took + report.duration, marked or "minutes" in report.keywords)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The run's wall time against the budget, and the unmarked tests over a minute."""
+    import time
+
+    started = os.environ.get("SUITE_STARTED")  # set by `make test` before its install step
+    if not started or hasattr(config, "workerinput"):
+        return
+    minutes = (time.time() - float(started)) / 60
+    tr = terminalreporter
+    tr.write_sep("=", f"suite budget: {minutes:.1f} of {BUDGET_MINUTES} minutes, install included "
+                      f"({'within' if minutes <= BUDGET_MINUTES else 'OVER'} budget)")
+    unmarked = sorted(((s, n) for n, (s, m) in _TEST_SECONDS.items() if s > MARK_OVER_S and not m), reverse=True)
+    for s, n in unmarked:
+        tr.write_line(f"unmarked: {n} took {s:.0f} s; mark it @pytest.mark.minutes({s / 60:.1f})")
+
+
+def _minutes(item) -> float:
+    return float(item.get_closest_marker("minutes").args[0])
 
 
 @pytest.fixture(scope="session")
@@ -78,11 +147,72 @@ def tiny_llama_config() -> dict:
     return dict(TINY_LLAMA)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _shared_cache(tmp_path_factory):
-    """Converted GGUF models are cached once per machine (like a user's ~/.cache)."""
-    os.environ.setdefault("OPTIMIZE_CACHE", os.path.expanduser("~/.cache/edge-optimize"))
-    yield
+#: where a run's caches live when ``OPTIMIZE_TEST_CACHE`` names no directory of the developer's own
+_RUN_CACHE_PREFIX = "optimize-test-cache-"
+
+
+def pytest_configure(config):
+    """One user cache (``$OPTIMIZE_CACHE``) for the whole run, empty at its start and removed at its end.
+
+    Why: the suite's heavy real-model work (the GGUF conversion, the baseline, stage checkpoints
+    shared through ``stage_cache``, lowered tiny programs) is computed once per run and reused by
+    every test that needs it, through the project's own content-keyed caches; but nothing may be
+    carried from one run to the next, nor shared with the developer's own ``~/.cache``, or the
+    suite's time would depend on what ran before it. The controller makes the directory before
+    pytest-xdist starts its workers, which inherit the variable, so both workers share it (the
+    caches lock an entry while one process fills it). ``OPTIMIZE_TEST_CACHE=DIR`` keeps a cache
+    of the developer's choosing across runs instead (for iterating on one slow test)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller set it
+        return
+    own = os.environ.get("OPTIMIZE_TEST_CACHE")
+    if own:
+        os.environ["OPTIMIZE_CACHE"] = own
+        return
+    _remove_dead_runs_caches()
+    config._optimize_run_cache = tempfile.mkdtemp(prefix=f"{_RUN_CACHE_PREFIX}{os.getpid()}-")
+    os.environ["OPTIMIZE_CACHE"] = config._optimize_run_cache
+
+
+def _remove_dead_runs_caches() -> None:
+    """The caches of earlier runs that were killed before their end (a GB each): removed, so no
+    run's cache outlives it, not even on a developer's machine after a Ctrl-C."""
+    root = Path(tempfile.gettempdir())
+    for d in root.glob(f"{_RUN_CACHE_PREFIX}*"):
+        pid = d.name[len(_RUN_CACHE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's, alive
+        return True
+    return True
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_optimize_run_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture()
+def private_cache(tmp_path, monkeypatch):
+    """A user cache of this test's own (``$OPTIMIZE_CACHE``) for tests that count what a cache
+    holds; it shares the run's GGUF conversions (a link to their folder), so the tokenizer of every
+    tiny model does not convert SmolLM2 again (40 s) in each such test."""
+    from train.model_cache import cache_root
+
+    shared = cache_root() / "gguf"
+    shared.mkdir(parents=True, exist_ok=True)
+    root = tmp_path / "user-cache"
+    root.mkdir()
+    (root / "gguf").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(root))
+    return root
 
 
 @pytest.fixture(scope="session")

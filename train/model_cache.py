@@ -8,12 +8,15 @@ its entries under the same root.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("optimize")
 
@@ -60,6 +63,8 @@ def drop_stale_conversions(fresh: Path, gguf: Path) -> None:
         if origin is not None and (origin == source or not Path(origin).is_file()):
             log.info("removing stale GGUF conversion %s (source %s)", entry, origin)
             shutil.rmtree(entry, ignore_errors=True)
+            # its lock file too (train.sources.convert_gguf): no load converts that key again
+            entry.with_name(f".{entry.name}.lock").unlink(missing_ok=True)
 
 
 def _conversion_source(entry: Path) -> str | None:
@@ -69,3 +74,72 @@ def _conversion_source(entry: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return origin if isinstance(origin, str) else None
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link of ``src`` at ``dst`` (no second copy of a model's bytes), or a copy across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+#: a lock file with no entry beside it is removed once it is this old (its writer is long gone)
+ORPHAN_LOCK_S = 3600
+
+
+def keep_most_recent(root: Path, keep: int) -> None:
+    """Remove all but the ``keep`` most recently used entries (directories) of a cache under ``root``,
+    with their lock files (``.<entry>.lock``, :func:`targets.atomic.exclusive`), and lock files that
+    lost their entry an hour ago or more (a stage too short to keep still took its key's lock).
+    Entries being written (dot-prefixed temporaries) are never touched."""
+    import time
+
+    entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+        old.with_name(f".{old.name}.lock").unlink(missing_ok=True)
+    now = time.time()
+    for lock in root.glob(".*.lock"):
+        entry = lock.with_name(lock.name[1:-len(".lock")])
+        try:
+            if not entry.exists() and now - lock.stat().st_mtime > ORPHAN_LOCK_S:
+                lock.unlink()
+        except OSError:
+            pass
+
+
+def weights_digest(model: torch.nn.Module) -> str | None:
+    """sha256 over every parameter's and buffer's name, dtype, shape and bytes; None where a
+    tensor has no plain bytes to hash (a quantized tensor subclass)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict(keep_vars=False).items():
+        if type(t) is not torch.Tensor or t.is_quantized or t.layout != torch.strided:
+            return None
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def ids_digest(tensors) -> str:
+    """sha256 of token-id tensors (their shapes and values): the text a cached result was computed on."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode() + b"|")
+        h.update(t.detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """sha256 of this project's own Python source (``optimize``, ``train``, ``targets``, ``export``):
+    a cached stage's result follows its code, so an edited stage must not reuse it."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for package in ("optimize", "train", "targets", "export"):
+        for f in sorted((root / package).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+

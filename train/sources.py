@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 import torch
 from pydantic import Field
 
-from targets.atomic import atomic_dir
+from targets.atomic import atomic_dir, exclusive
 from targets.config_base import Strict
 from train import causal_lm, weight_files
 from train.model_cache import conversion_dir, drop_stale_conversions, record_source
@@ -114,9 +114,23 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
     if not gguf.is_file():
         raise ModelSourceError(f"GGUF file not found: {gguf}")
     target = conversion_dir(gguf, cache_dir)
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _converted(target):
         log.info("using cached conversion of %s at %s", gguf.name, target)
         return target
+    # one process converts, the others wait for it (two test workers, two pipelines starting together)
+    with exclusive(target.with_name(f".{target.name}.lock")):
+        if _converted(target):
+            return target  # converted by the process this one waited for
+        _convert(gguf, target)
+        drop_stale_conversions(target, gguf)
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
+
+
+def _convert(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors (one time; cached at %s)", gguf.name, target)
@@ -143,8 +157,6 @@ def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
         tok.save_pretrained(tmp)
         _write_legacy_rope(tmp)
         record_source(tmp, gguf)
-    drop_stale_conversions(target, gguf)
-    return target
 
 
 def _write_legacy_rope(model_dir: Path) -> None:

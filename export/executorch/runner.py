@@ -203,7 +203,8 @@ class ExecuTorchRunner(Runner):
                 self._pos += n
                 logits = logits.reshape(-1, logits.shape[-1])
                 outs.append(logits if all_logits else logits[-1:])
-        out = torch.cat(outs, 0) if all_logits else outs[-1]
+        # one chunk (a whole window's prefill) is returned as it is: no copy of positions x vocab logits
+        out = (torch.cat(outs, 0) if len(outs) > 1 else outs[0]) if all_logits else outs[-1]
         return out.float()
 
     def size_bytes(self) -> int:

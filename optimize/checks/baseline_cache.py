@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 
 from optimize.checks.accuracy import BaselineLogits, logprobs_file
 from targets.atomic import atomic_dir
+from train.model_cache import cache_root, keep_most_recent, link_or_copy, weights_digest
 
 CACHE_VERSION = 1
 #: entries kept (most recently used first); each is a few hundred MB for a small model
@@ -41,8 +41,6 @@ _CODE = ("optimize/checks/accuracy.py", "export/runtime.py")
 
 
 def cache_dir() -> Path:
-    from train.model_cache import cache_root
-
     return cache_root() / "baselines"
 
 
@@ -53,18 +51,6 @@ def _code_digest() -> str:
         h.update(rel.encode())
         h.update((root / rel).read_bytes())
     return h.hexdigest()[:16]
-
-
-def weights_digest(model: torch.nn.Module) -> str | None:
-    """sha256 over every parameter's and buffer's name, dtype, shape and bytes; None where a
-    tensor has no plain bytes to hash (a quantized tensor subclass)."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict(keep_vars=False).items():
-        if type(t) is not torch.Tensor or t.is_quantized or t.layout != torch.strided:
-            return None
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
 
 
 def baseline_key(model: torch.nn.Module, windows: list[torch.Tensor], *, threads: int | None) -> str | None:
@@ -121,7 +107,7 @@ def load(key: str, into: BaselineLogits, root: Path | None = None) -> CachedBase
         else:
             into.directory.mkdir(parents=True, exist_ok=True)
             for i, f in enumerate(files):
-                _link_or_copy(f, into._file(i))
+                link_or_copy(f, into._file(i))
             into.spilled = n
         into.top1 = list(top1)
         os.utime(entry)  # most recently used
@@ -142,23 +128,9 @@ def store(key: str, baseline: BaselineLogits, perplexity: float, tokens: int, ro
                 if baseline.directory is None:
                     torch.save(baseline.logprobs[i], dst)
                 else:
-                    _link_or_copy(baseline._file(i), dst)
+                    link_or_copy(baseline._file(i), dst)
             torch.save(list(baseline.top1), tmp / TOP1)
             (tmp / RESULT).write_text(json.dumps({"key": key, "perplexity": perplexity, "tokens": tokens,
                                                   "windows": len(baseline)}) + "\n")
-    _evict(root)
+    keep_most_recent(root, KEEP)
     return entry
-
-
-def _evict(root: Path) -> None:
-    entries = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
-    entries.sort(key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in entries[KEEP:]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another filesystem
-        shutil.copyfile(src, dst)

@@ -34,11 +34,23 @@ def gptq_rows(w_orig: torch.Tensor, scheme: WeightScheme, hinv: torch.Tensor, de
     return column_loop(*args, *statics)
 
 
+#: columns whose rank-1 error updates run one at a time inside a block (see :func:`column_loop`)
+SUB_BLOCK = 16
+
+
 def column_loop(w_orig: torch.Tensor, hinv: torch.Tensor, dead: torch.Tensor, perm: torch.Tensor,
                  inv_perm: torch.Tensor, scale: torch.Tensor, qrange: tuple[int, int], gs: int,
                  block_size: int) -> torch.Tensor:
     """:func:`gptq_rows`'s arithmetic, with no host synchronisation and no data-dependent shape
-    (masks by ``masked_fill``, group scales by ``expand``), so that a CUDA graph can capture it."""
+    (masks by ``masked_fill``, group scales by ``expand``), so that a CUDA graph can capture it.
+
+    Each column's error moves onto the columns after it. Within a block of ``block_size``
+    columns that is done column by column only across a sub-block of :data:`SUB_BLOCK` columns;
+    the sub-block's errors then reach the rest of the block in one product, and the block's the
+    rest of the weight in another (GPTQ's lazy batch updates, nested once more). The arithmetic is
+    the same sums in another order: on the CPU the one-column-at-a-time updates across a whole
+    128-column block were 70% of GPTQ's solve time (a temporary of rows x remaining columns per
+    column), and the nested form computes the same integers (tests/optimize/quant/test_gptq.py)."""
     qmin, qmax = qrange
     n_c, in_f = hinv.shape[0], w_orig.shape[1]
     w = w_orig.double()[:, perm].masked_fill_(dead[perm], 0.0)  # one float64 copy, in GPTQ's column order
@@ -51,14 +63,19 @@ def column_loop(w_orig: torch.Tensor, hinv: torch.Tensor, dead: torch.Tensor, pe
         w1 = w[:, :, i1:i2].clone()
         err1 = torch.zeros_like(w1)
         hinv1 = hinv[:, i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = w1[:, :, i]
-            s = col_scale[:, i1 + i]
-            qi = torch.clamp(torch.round(col / s), qmin, qmax)
-            q[:, :, i1 + i] = qi
-            e = (col - qi * s) / hinv1[:, i, i].unsqueeze(1)
-            w1[:, :, i:] -= e.unsqueeze(2) * hinv1[:, i, i:].unsqueeze(1)
-            err1[:, :, i] = e
+        for j1 in range(0, i2 - i1, SUB_BLOCK):
+            j2 = min(j1 + SUB_BLOCK, i2 - i1)
+            for i in range(j1, j2):
+                col = w1[:, :, i]
+                s = col_scale[:, i1 + i]
+                qi = torch.clamp(torch.round(col / s), qmin, qmax)
+                q[:, :, i1 + i] = qi
+                e = (col - qi * s) / hinv1[:, i, i].unsqueeze(1)
+                w1[:, :, i:j2] -= e.unsqueeze(2) * hinv1[:, i, i:j2].unsqueeze(1)
+                err1[:, :, i] = e
+            if j2 < i2 - i1:
+                for c in range(n_c):
+                    w1[c, :, j2:] -= err1[c, :, j1:j2] @ hinv1[c, j1:j2, j2:]
         for c in range(n_c):  # one 2-D product per candidate: the same float path as a single one
             w[c, :, i2:] -= err1[c] @ hinv[c, i1:i2, i2:]
     return q[:, :, inv_perm]

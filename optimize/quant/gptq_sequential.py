@@ -10,7 +10,9 @@ each result handed to the caller as soon as nothing reads its float weight again
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +23,7 @@ from optimize.device import model_device, on_device
 from optimize.quant.block_inputs import BlockChain
 from optimize.quant.fakequant import WeightScheme, qdq_act
 from optimize.quant.gptq import Damp, GptqLayerResult, ScaleInit, gptq_layers
+from optimize.quant.gptq_cache import GptqBlockCache
 from optimize.quant.gptq_rows import row_graphs
 from optimize.quant.host_independent import casts, computing_in
 from optimize.resources import release_free_heap
@@ -114,6 +117,22 @@ class _StopAfterLastInput:
         self._handles = []
 
 
+def _install_cached_blocks(model: nn.Module, hit, chain: BlockChain, result: GptqRunResult, home: torch.device,
+                           release, log) -> None:
+    """An earlier run's GPTQ of the same blocks (:mod:`optimize.quant.gptq_cache`): its grid values go
+    into the weights and its hidden states after the last block into the chain, as if computed here."""
+    for name, res in hit.layers.items():
+        res.dequantize_into(model.get_submodule(name).weight.data)
+        result.layers[name] = res.to(home)
+    chain.hidden = [h.to(device=c.device, dtype=c.dtype) for h, c in zip(hit.hidden, chain.hidden)]
+    result.tokens, result.steps, result.blocks_cache = hit.tokens, list(hit.steps), "reused"
+    if release is not None:
+        release(dict(hit.layers))
+    if log:
+        log(f"gptq: the {len(hit.layers)} decoder-block layers reused from an earlier run of the same blocks "
+            "(stage cache)")
+
+
 def _untie(model: nn.Module, names: list[str]) -> None:
     """Give each target Linear its own weight if it shares one (a tied lm_head shares the embedding)."""
     owners: dict[int, int] = {}
@@ -137,6 +156,8 @@ class GptqRunResult:
     solve_s: float = 0.0
     #: :meth:`RowGraphs.summary` where the column loop ran as CUDA graphs
     cuda_graphs: dict | None = None
+    #: what the blocks' cache did (:mod:`optimize.quant.gptq_cache`): "reused", "stored", or None without one
+    blocks_cache: str | None = None
 
     def summary(self) -> dict:
         rtn = [r.rel_error_rtn for r in self.layers.values()]
@@ -156,7 +177,8 @@ class GptqRunResult:
     def timing(self) -> dict:
         """Where the run's time went (apart from :meth:`summary`, whose figures repeat run to run)."""
         return {"calibrate_s": round(self.calibrate_s, 2), "solve_s": round(self.solve_s, 2),
-                **({"cuda_graphs": self.cuda_graphs} if self.cuda_graphs else {})}
+                **({"cuda_graphs": self.cuda_graphs} if self.cuda_graphs else {}),
+                **({"blocks_cache": self.blocks_cache} if self.blocks_cache else {})}
 
 
 def shared_input_groups(names: list[str], hessians: dict[str, torch.Tensor],
@@ -205,6 +227,7 @@ def gptq_model(
     progress: Callable[..., None] | None = None,
     calibration_dtype: torch.dtype | None = None,
     install: Callable[[str, GptqLayerResult], None] | None = None,
+    blocks_cache: Path | None = None,
 ) -> GptqRunResult:
     """Sequential GPTQ over the named Linears, with the calibration forward in ``calibration_dtype``.
 
@@ -223,6 +246,10 @@ def gptq_model(
     (its first six blocks) came out different between two paths of one machine; with the forward
     in float64, none did (:mod:`optimize.quant.host_independent`). See :func:`_gptq_model` for the
     algorithm.
+
+    ``blocks_cache`` (a directory): the decoder blocks' results are reused from there when an earlier
+    run quantized the same blocks of the same model on the same windows, and kept there otherwise
+    (:mod:`optimize.quant.gptq_cache`); only the head is then calibrated and solved.
     """
     installed: set[str] = set()
 
@@ -235,7 +262,8 @@ def gptq_model(
     with row_graphs() as graphs, computing_in(model, calibration_dtype):
         result = _gptq_model(model, targets, windows, damp=damp, block_size=block_size, act_order=act_order,
                              scale_init=scale_init, log=log, device=device, progress=progress,
-                             release=release if install is not None and not cast else None)
+                             release=release if install is not None and not cast else None,
+                             blocks_cache=blocks_cache)
     if graphs.captured or graphs.disabled:
         result.cuda_graphs = graphs.summary()
     if install is not None:
@@ -256,6 +284,7 @@ def _gptq_model(
     device: torch.device | None = None,
     progress: Callable[..., None] | None = None,
     release: Callable[[dict[str, GptqLayerResult]], None] | None = None,
+    blocks_cache: Path | None = None,
 ) -> GptqRunResult:
     """Sequential GPTQ over the named Linears (name -> scheme), block by block in model order.
 
@@ -340,16 +369,30 @@ def _gptq_model(
         # two forwards of that block per window instead of a forward through every earlier block
         outside = None in stages
         chain.to(device or home)
-        for i, block in enumerate(blocks):
-            with on_device(chain.mods[i], device):
-                if block in stages:
-                    calibrate_and_quantize(stages[block], [lambda i=i, j=j: chain.run_block(i, j)
-                                                           for j in range(len(windows))], block)
-                if i < len(blocks) - 1 or outside:
-                    chain.advance(i)
-            if release is not None and block in stages:  # the next block has its input: nothing reads these again
-                release({name: result.layers[name] for name in stages[block]})
-            release_free_heap()  # the block's Hessians and row chunks, before the next block's
+        in_blocks = {n: s for n, s in targets.items() if block_of(n, blocks) is not None}
+        cache = None
+        if blocks_cache is not None and in_blocks:
+            cache = GptqBlockCache.for_run(blocks_cache, model, windows, in_blocks,
+                                           {"damp": damp, "block_size": block_size, "act_order": act_order,
+                                            "scale_init": scale_init}, device)
+        with cache.lock() if cache is not None and cache.key is not None else contextlib.nullcontext():
+            hit = cache.load() if cache is not None else None
+            if hit is not None:
+                _install_cached_blocks(model, hit, chain, result, home, release, log)
+            else:
+                for i, block in enumerate(blocks):
+                    with on_device(chain.mods[i], device):
+                        if block in stages:
+                            calibrate_and_quantize(stages[block], [lambda i=i, j=j: chain.run_block(i, j)
+                                                                   for j in range(len(windows))], block)
+                        if i < len(blocks) - 1 or outside:
+                            chain.advance(i)
+                    if release is not None and block in stages:  # the next block has its input: nothing reads these again
+                        release({name: result.layers[name] for name in stages[block]})
+                    release_free_heap()  # the block's Hessians and row chunks, before the next block's
+                if cache is not None and cache.key is not None and outside:
+                    cache.store({n: result.layers[n] for n in in_blocks}, chain.hidden, result.tokens, result.steps)
+                    result.blocks_cache = "stored"
         if outside:
             # the Linears outside the blocks (lm_head) read what the quantized blocks output: the
             # blocks answer from the chain, so only the embedding, final norm and head run again

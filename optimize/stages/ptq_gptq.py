@@ -95,7 +95,8 @@ def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: li
 
     res = gptq_model(model, targets, ctx.calibration[: opts.calibration_windows], damp=opts.damp,
                      block_size=opts.block_size, act_order=opts.act_order, scale_init=opts.scale_init, log=ctx.log,
-                     device=ctx.device, progress=ctx.progress, calibration_dtype=calib_dtype, install=install)
+                     device=ctx.device, progress=ctx.progress, calibration_dtype=calib_dtype, install=install,
+                     blocks_cache=ctx.cache_dir / "gptq" if ctx.cache_dir is not None else None)
     ctx.progress(phase="gptq", event="end")
     model.train(was_training)
     summary = res.summary()

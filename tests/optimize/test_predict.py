@@ -141,6 +141,7 @@ def test_export_rows_report_memory_and_a_device_that_does_not_fit_fails_with_fig
                        storage_gib=0.001, budgets={"decode_tok_s": 1e6})
     tiny_cfg.update(target="onnxruntime", export={"onnxruntime": {"max_seq_len": 128}})
     tiny_cfg["checks"]["generate_tokens"] = 0
+    tiny_cfg["checks"]["memory"] = True  # what this test is about (tiny_cfg leaves it off)
     report = run_pipeline(load_config(tiny_cfg), say=lambda m: None, device_profile=dev)
     row = report.row("export:onnxruntime")
     assert row.status == "fail" and not report.ok

@@ -50,8 +50,29 @@ def test_converting_a_reinstalled_gguf_drops_its_older_conversion(tmp_path):
     gguf = tmp_path / "model.gguf"
     shutil.copyfile(bundled_gguf_path("smollm2-135m"), gguf)
     older = _conversion(tmp_path / "cache" / "gguf", "model-0123456789abcdef", gguf)
+    (older.parent / f".{older.name}.lock").touch()  # the lock its conversion left
     assert older != conversion_dir(gguf, tmp_path / "cache")
     fresh = convert_gguf(gguf, tmp_path / "cache")
-    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [fresh.name]
+    # the fresh conversion and its lock (kept: another process may wait on it) are all that is left
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == sorted([fresh.name, f".{fresh.name}.lock"])
     assert (fresh / "model.safetensors").is_file()
     assert convert_gguf(gguf, tmp_path / "cache") == fresh  # a hit
+
+
+def test_a_bounded_cache_drops_old_entries_with_their_locks_and_old_orphan_locks(tmp_path):
+    import os
+    import time
+
+    from train.model_cache import ORPHAN_LOCK_S, keep_most_recent
+
+    for k, name in enumerate(["a", "b", "c"]):
+        (tmp_path / name).mkdir()
+        (tmp_path / f".{name}.lock").touch()
+        os.utime(tmp_path / name, (time.time() - 100 + k, time.time() - 100 + k))  # c is the most recent
+    (tmp_path / ".writing.123.tmp").mkdir()  # an entry being written
+    old, fresh = tmp_path / ".gone.lock", tmp_path / ".busy.lock"  # locks without an entry
+    old.touch()
+    os.utime(old, (time.time() - ORPHAN_LOCK_S - 5, time.time() - ORPHAN_LOCK_S - 5))
+    fresh.touch()  # a writer may hold it right now
+    keep_most_recent(tmp_path, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".b.lock", ".busy.lock", ".c.lock", ".writing.123.tmp", "b", "c"]

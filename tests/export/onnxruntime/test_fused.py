@@ -257,7 +257,7 @@ def test_awq_gptq_pipeline_to_onnxruntime_reports_both_runtimes(tmp_path):
     cfg = {"version": 1, "name": "tiny-ort-int4", "model": {"source": "random", "config": dict(TINY_LLAMA)},
            "data": {"eval_tokens": 256, "calibration_tokens": 256, "seq_len": 128}, "target": "onnxruntime",
            "checks": {"latency": {"runs": 1, "warmup": 0, "decode_tokens": 4, "prompt_tokens": 16, "threads": 1},
-                      "generate_tokens": 8},
+                      "generate_tokens": 8, "memory": False},  # the peak-RSS children: tests/optimize/test_memory.py
            "stages": [{"kind": "awq", "scheme": "8da4w", "keep_high_precision": [], "calibration_windows": 1},
                       {"kind": "ptq_int8", "scheme": "8da4w", "algorithm": "gptq", "keep_high_precision": [],
                        "int8_modules": ["lm_head"], "quantize_embedding": "tied"}],

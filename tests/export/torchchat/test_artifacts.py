@@ -33,7 +33,7 @@ def run(tmp_path_factory):
         "model": {"source": "random", "config": dict(TINY)},
         "data": {"eval_tokens": 256, "calibration_tokens": 128, "seq_len": 64},
         "checks": {"latency": {"runs": 1, "warmup": 0, "decode_tokens": 4, "prompt_tokens": 16, "threads": 1},
-                   "generate_tokens": 8},
+                   "generate_tokens": 8, "memory": False},  # the peak-RSS children: tests/optimize/test_memory.py
         "stages": [{"kind": "gqa", "num_key_value_heads": 1}],  # Llama-compatible after the rewrite too
         "export": {"torchchat": {"max_seq_len": MAX_SEQ_LEN}},
     }

@@ -16,10 +16,8 @@ from optimize.checks.accuracy import BaselineLogits
 
 
 @pytest.fixture()
-def cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("OPTIMIZE_CACHE", str(root))
-    return root / "baselines"
+def cache(private_cache):
+    return private_cache / "baselines"
 
 
 def _cfg(tiny_cfg, tmp_path, name: str, **checks) -> dict:
