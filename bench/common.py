@@ -50,12 +50,12 @@ def load_pte_module(pte: str | Path, threads: int, **load_kwargs: Any):
     import executorch.kernels.quantized  # noqa: F401  (quantized embedding kernels)
     from executorch.extension.pybindings import portable_lib
 
-    from export.executorch.runner import _uses_llama_custom_ops, load_llama_custom_ops, set_threads
+    from export.executorch.runner import uses_llama_custom_ops, load_llama_custom_ops, set_threads
 
     pte = Path(pte)
     if not pte.is_file():
         raise FileNotFoundError(f"no .pte at {pte}")
-    if _uses_llama_custom_ops(pte):
+    if uses_llama_custom_ops(pte):
         load_llama_custom_ops()
     set_threads(threads)
     return portable_lib._load_for_executorch(str(pte), **load_kwargs)

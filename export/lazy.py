@@ -21,6 +21,9 @@ def lazy_names(package: str, public: dict[str, str]) -> tuple[Callable[[str], An
             module = public[name]
         except KeyError:
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        from targets.quiet_imports import import_quietly
+
+        import_quietly()  # a runtime package imports transformers and torchao: their import noise stays out
         return getattr(importlib.import_module(f"{package}.{module}"), name)
 
     def __dir__() -> list[str]:

@@ -360,12 +360,13 @@ def _export_best(sources: dict, fitting: list[Priced], k: int, device, out: Path
 
 def _check_lengths(config, opts, lengths: list[int]) -> None:
     """Refuse a cache length the exporter would refuse, before pricing anything."""
-    from export.executorch.options import model_problems
+    from export.executorch import ExecuTorchExporter
 
     for length in lengths:
         if length < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {length}")
-        problems = model_problems(config, type(opts)(max_seq_len=length))  # the length alone: fit sets the rest
+        # the length alone (fit sets the rest): the exporter's own validation-time refusals
+        problems = ExecuTorchExporter().check_model(config, type(opts)(max_seq_len=length))
         if problems:
             raise ValueError(f"max_seq_len {length}: " + "; ".join(problems))
 

@@ -27,7 +27,7 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
     against ``baseline`` (the short eval's fp32 figure). Returns what was measured."""
     import torch
 
-    from export.executorch.exporter import ExecuTorchExporter
+    from export.executorch import ExecuTorchExporter
     from optimize import fit_stages
     from optimize.checks.accuracy import eval_windows, evaluate
     from optimize.checks.latency import measure_latency

@@ -156,7 +156,7 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
           embedding: str | None, weights: str = "embedded", attention: str = "same", shapes=None,
           depth: int | None = None, blocks: int | None = None) -> Priced:
     """``config`` is the model's (pruned to ``depth`` blocks where given, of ``blocks`` originally)."""
-    from export.executorch.quant import is_attention
+    from export.executorch import is_attention
     from optimize.memory import kv_cache_bytes
 
     linears, head, (vocab, hidden), tied = shapes or model_shapes(config)

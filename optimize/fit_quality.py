@@ -2,7 +2,7 @@
 
 Bytes price every recipe in milliseconds (:mod:`optimize.fit`); the ones that fit the device go on
 here, best-looking first. Each is applied to a copy of the model exactly as the ExecuTorch exporter
-applies it (``export.executorch.quant._apply_quantization``: torchao's 8da8w / 8da4w Linear layers, the
+applies it (``export.executorch.quant.apply_quantization``: torchao's 8da8w / 8da4w Linear layers, the
 ``lm_head`` choice, the embedding table's weight-only int8/int4), so the weights measured are the
 weights the ``.pte`` would hold; perplexity is taken in eager PyTorch on the first ``windows`` windows
 of the pipeline's own eval split (``data``). That short eval ranks the recipes; the full figure, in
@@ -28,8 +28,7 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
     changes are against (default: this model's unquantized one; a pruned model's is the unpruned's)."""
     import torch
 
-    from export.executorch.options import ExecuTorchOptions
-    from export.executorch.quant import _apply_quantization
+    from export.executorch import ExecuTorchOptions, apply_quantization
     from export.runtime import EagerRunner
     from optimize.checks.accuracy import eval_windows, evaluate
     from train.corpus import split_data
@@ -48,7 +47,7 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
         + (f", {100.0 * (own / base - 1.0):+.2f}% against {base:.3f}" if baseline is not None else ""))
     for i, row in enumerate(rows):
         quantized = copy.deepcopy(model)
-        _apply_quantization(quantized, ExecuTorchOptions.model_validate({**row.export_block(),
+        apply_quantization(quantized, ExecuTorchOptions.model_validate({**row.export_block(),
                                                                          "max_seq_len": max_seq_len}))
         with torch.inference_mode():
             ppl = evaluate(EagerRunner(quantized), wins, desc=row.label()).perplexity

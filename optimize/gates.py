@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from optimize.gates_config import GATE_METRICS, GatesConfig, MetricGoal
-from optimize.report import GateResult, Metrics
+from optimize.gates_config import GATE_METRICS, GateResult, GatesConfig, MetricGoal
+from optimize.report import Metrics
 
 
 def _check(metric: str, goal: MetricGoal, value: float | None, base: float | None) -> GateResult:

@@ -8,9 +8,9 @@ Each metric takes at most one goal form:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from targets.config_base import Strict
 
@@ -93,3 +93,16 @@ class GatesConfig(Strict):
         if "on_fail" in override.model_fields_set:
             data["on_fail"] = override.on_fail
         return GatesConfig.model_validate(data)
+
+
+class GateResult(BaseModel):
+    """One gate checked on one report row: the metric, its goal, the row's value and the baseline's,
+    and whether it held (a device's gates too: :func:`optimize.predict.device_gates`)."""
+
+    metric: str
+    goal: dict[str, Any]
+    value: float | None
+    baseline: float | None
+    ok: bool
+    message: str
+

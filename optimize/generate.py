@@ -9,12 +9,15 @@ logged. Both give the same greedy tokens for the same ids (tested).
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
 from export.runtime import RunnerError, greedy_generate
+from optimize.quiet import LogOutput, console
 
 log = logging.getLogger(__name__)
 
@@ -22,22 +25,65 @@ RunnerChoice = Literal["auto", "llm", "python"]
 
 
 def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(msg, file=console(), flush=True)
 
 
 def generate_from_artifact(
     artifact: Path, prompt: str, *, max_new_tokens: int = 64, chat: bool = False, threads: int | None = None,
-    stream: TextIO | None = sys.stdout, runner: RunnerChoice = "auto", say: Callable[[str], None] | None = _stderr,
+    stream: TextIO | None | str = "stdout", runner: RunnerChoice = "auto",
+    say: Callable[[str], None] | None = _stderr,
 ) -> str:
     """Greedy-generate from ``artifact`` (a .pte or .onnx with tokenizer files beside it),
-    streaming text to ``stream`` as it is produced; returns the generated text.
+    streaming text to ``stream`` as it is produced (``"stdout"``: the process's stdout at the call; None:
+    nowhere); returns the generated text.
 
     ``runner``: ``auto`` takes ExecuTorch's C++ runner for a .pte when it can (else logs why not and
     uses the Python loop), ``llm`` requires it (a clear error if it cannot), ``python`` skips it.
-    ``say`` gets one line with the C++ runner's own timing stats."""
+    ``say`` gets one line with the C++ runner's own timing stats.
+
+    What the native runtimes print themselves (ExecuTorch's cpuinfo lines on file descriptor 2, the
+    C++ runner's newline on 1) never reaches the caller's streams: it is kept apart while they run
+    and logged at INFO (``optimize -v run``), so the answer and its one timing line are all that shows."""
+    owned = None
+    if stream == "stdout" or stream is sys.stdout:
+        stream = _own_stdout(sys.stdout)
+        owned = stream if stream is not sys.stdout else None
+    fd, native_log = tempfile.mkstemp(prefix="optimize-run-", suffix=".log")
+    os.close(fd)
+    try:
+        with LogOutput(native_log):
+            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say)
+    finally:
+        if stream is not None:
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a stream the caller closed meanwhile
+                pass
+        if owned is not None:
+            owned.close()
+        chatter = Path(native_log).read_text(encoding="utf-8", errors="replace").strip()
+        Path(native_log).unlink(missing_ok=True)
+        if chatter:
+            log.info("the runtime printed:\n%s", chatter)
+
+
+def _own_stdout(stream: TextIO) -> TextIO:
+    """A stream on this process's stdout that stays there while file descriptor 1 points elsewhere
+    (a copy of the descriptor); ``stream`` itself where it is not backed by descriptor 1 (a notebook,
+    pytest's capture)."""
+    try:
+        if stream.fileno() != 1:
+            return stream
+    except (AttributeError, OSError, ValueError):
+        return stream
+    stream.flush()
+    return os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+
+
+def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, threads: int | None,
+              stream: TextIO | None, runner: RunnerChoice, say: Callable[[str], None] | None) -> str:
     from transformers import AutoTokenizer
 
-    artifact = Path(artifact)
     if not artifact.exists():  # a file, or an export directory its exporter recognises (onnxruntime-genai)
         raise FileNotFoundError(f"artifact not found: {artifact}")
     if runner not in ("auto", "llm", "python"):
@@ -75,11 +121,15 @@ def generate_from_artifact(
             stream.flush()
 
     if runner != "python":
-        done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm", say=say)
+        done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm")
         if done is not None:
+            answer, timing = done
             if stream is not None:
                 stream.write("\n")
-            return done
+                stream.flush()  # the answer's line ends before the timing line (one terminal for both)
+            if say is not None:
+                say(timing)
+            return answer
     produced: list[int] = []
 
     def on_token(t: int) -> None:
@@ -100,9 +150,10 @@ def generate_from_artifact(
 
 
 def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int, write: Callable[[str], None], *,
-                     required: bool, say: Callable[[str], None] | None) -> str | None:
-    """Generate with ExecuTorch's C++ runner; None (reason logged) where it cannot serve this artifact."""
-    from export.executorch.llm_runner import LLMRunnerUnavailable
+                     required: bool) -> tuple[str, str] | None:
+    """Generate with ExecuTorch's C++ runner: the answer and the runner's timing line; None (reason
+    logged) where it cannot serve this artifact."""
+    from export.executorch import LLMRunnerUnavailable
 
     if not hasattr(loaded, "llm_runner"):
         if required:
@@ -130,12 +181,12 @@ def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int
         log.warning("using the Python loop instead of ExecuTorch's C++ LLM runner: %s", exc)
         return None
     s = gen.stats
-    if say is not None:
-        say(f"[ExecuTorch TextLLMRunner] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_ms']:.0f} ms, "
-            f"decode {_rate(s['decode_tok_s'])} tok/s over {s['generated_tokens']} tokens, "
-            f"first token {s['ttft_ms']:.0f} ms")
-    return tok.decode([i for i in gen.ids if i is not None], skip_special_tokens=True) if None not in gen.ids \
-        else gen.text
+    timing = (f"[ExecuTorch TextLLMRunner] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_ms']:.0f} ms, "
+              f"decode {_rate(s['decode_tok_s'])} tok/s over {s['generated_tokens']} tokens, "
+              f"first token {s['ttft_ms']:.0f} ms")
+    answer = (tok.decode([i for i in gen.ids if i is not None], skip_special_tokens=True) if None not in gen.ids
+              else gen.text)
+    return answer, timing
 
 
 def _rate(x: float | None) -> str:

@@ -34,6 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from train.process_memory import reset_peak_rss, status_bytes
+
 MARKER = "OPTIMIZE_MEMORY_JSON "
 MIB = 2**20
 
@@ -190,27 +192,6 @@ def _vocab(config: Any) -> int | None:
 # ---- the child ------------------------------------------------------------------------------
 
 
-def _status_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    hwm, rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
-    return hwm is not None and rss is not None and hwm <= rss + MIB
-
-
 def _warm_imports(exporter_name: str, artifact: Path) -> None:
     """Import what loading the artifact would import, so the baseline holds the runtime and the
     peak's excess is the artifact's."""
@@ -222,9 +203,9 @@ def _warm_imports(exporter_name: str, artifact: Path) -> None:
 
         Runtime.get()
         if artifact.suffix == ".pte":
-            from export.executorch.runner import _uses_llama_custom_ops, load_llama_custom_ops
+            from export.executorch import load_llama_custom_ops, uses_llama_custom_ops
 
-            if _uses_llama_custom_ops(artifact):
+            if uses_llama_custom_ops(artifact):
                 load_llama_custom_ops()
     if exporter_name == "onnxruntime" or artifact.suffix == ".onnx":
         import onnxruntime  # noqa: F401
@@ -262,8 +243,8 @@ def _child(argv: list[str] | None = None) -> int:
         exporter = get_exporter(args.exporter)
     _warm_imports(exporter.name, artifact)
     gc.collect()
-    interpreter = _status_bytes("VmRSS")
-    reset = _reset_hwm()
+    interpreter = status_bytes("VmRSS")
+    reset = reset_peak_rss()
 
     runner = exporter.load(artifact)
     n = runner.max_seq_len or args.max_seq_len
@@ -279,7 +260,7 @@ def _child(argv: list[str] | None = None) -> int:
         for _ in range(decode):
             nxt = int(torch.argmax(logits[-1]).item())
             logits = runner.forward(torch.tensor([nxt], dtype=torch.long), all_logits=False)
-    hwm, rss = _status_bytes("VmHWM"), _status_bytes("VmRSS")
+    hwm, rss = status_bytes("VmHWM"), status_bytes("VmRSS")
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if reset and hwm is not None:
         peak, source = max(hwm, rss or 0), "VmHWM (reset after the imports)"

@@ -351,19 +351,23 @@ def _reuse_cached_stage(state: RunState, report: Report, model: torch.nn.Module,
 
     cfg = state.cfg
     row = StageRow.model_validate(ckpt.load_stage_row(stage_dir))
+    renamed = row.name != cfg.stages[i].label(i)
+    row.name = cfg.stages[i].label(i)  # this run's name for the stage (names are not part of the key)
     state.quantized = state.quantized or cfg.stages[i].quant_scheme() is not None
     row.details["stage_cache"] = f"reused from {stage_dir.name} in the stage cache"
     state.say(f"stage {row.name}: reused from the stage cache (the same stages, weights, data and code)")
     wall = row.wall_s
-    if measured_with(stage_dir) != checks_key:
+    remeasured = measured_with(stage_dir) != checks_key
+    if remeasured:
         state.say(f"{row.name}: measuring the reused model (this run's checks differ from those of the run "
                   "that computed it)")
         row.metrics = measure_eager(state, model, timed=_timed_eager(state))
         _score_tasks(state, row, model)
         row.details["stage_cache"] += ", measured again"
-        # replace (never write through) the linked files, so the cache keeps what it was given
-        atomic_write_json(stage_dir / "row.json", row.model_dump(mode="json"))
         atomic_write_json(stage_dir / CHECKS_FILE, {"checks_key": checks_key})
+    if renamed or remeasured:
+        # this run's row for its own resume; replaced, never written through the link, so the cache keeps its own
+        atomic_write_json(stage_dir / "row.json", row.model_dump(mode="json"))
     row.artifact = str(stage_dir)
     ok = _record_gated(report, row, cfg.gates.merged_with(cfg.stages[i].gates), state.baseline_metrics,
                        time.perf_counter(), state.say)
@@ -599,7 +603,7 @@ def _load_device(cfg: PipelineConfigBase, report: Report):
 
 def _device_gates_or_error(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
     """:func:`_device_gates`, or one failed gate naming why the device check could not run."""
-    from optimize.report import GateResult
+    from optimize.gates_config import GateResult
 
     try:
         return _device_gates(state, device, model, row)

@@ -255,8 +255,8 @@ def _mib(b: int | None) -> str:
 def device_gates(p: DevicePrediction, memory: Any, decode_budget: float | None) -> list:
     """The device's limits as gates on one export row: measured memory within the usable memory,
     the artifact within the storage budget, and (with a budget) the predicted decode rate:
-    :class:`~optimize.report.GateResult` each."""
-    from optimize.report import GateResult
+    :class:`~optimize.gates_config.GateResult` each."""
+    from optimize.gates_config import GateResult
 
     out = []
     if p.model_rss_bytes is None:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from optimize.gates_config import GateResult
 from optimize.memory import MemoryFootprint
 from optimize.predict import DevicePrediction
 from optimize.resources import Resources
@@ -43,15 +44,6 @@ class Metrics(BaseModel):
         None, description="export rows: artifact and KV-cache bytes, peak RSS measured in a child process (checks.memory)")
     device: DevicePrediction | None = Field(
         None, description="export rows with a device_profile: memory fit and the PREDICTED decode rate on the device")
-
-
-class GateResult(BaseModel):
-    metric: str
-    goal: dict[str, Any]
-    value: float | None
-    baseline: float | None
-    ok: bool
-    message: str
 
 
 class StageRow(BaseModel):

@@ -23,6 +23,8 @@ import sys
 import torch
 from pydantic import BaseModel, Field
 
+from train.process_memory import reset_peak_rss, status_bytes
+
 MIB = 2**20
 
 
@@ -51,25 +53,8 @@ class Resources(BaseModel):
 
 
 def _status_mib(key: str) -> float | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_rss_peak() -> bool:
-    """Reset VmHWM to the current RSS; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        return False
-    hwm, rss = _status_mib("VmHWM"), _status_mib("VmRSS")
-    return hwm is not None and rss is not None and hwm <= rss + 1.0
+    got = status_bytes(key)
+    return got / 2**20 if got is not None else None
 
 
 class PeakMemory:
@@ -81,7 +66,7 @@ class PeakMemory:
         self._rss_ok = False
 
     def start(self) -> "PeakMemory":
-        self._rss_ok = _reset_rss_peak()
+        self._rss_ok = reset_peak_rss()
         self._rss0 = _status_mib("VmRSS")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

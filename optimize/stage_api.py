@@ -160,6 +160,9 @@ def registered_stages() -> dict[str, StageSpec]:
     import importlib
     import os
 
+    from targets.quiet_imports import import_quietly
+
+    import_quietly()  # the built-ins import transformers and torchao: their import noise must not reach the caller
     import optimize.stages  # noqa: F401  (registers the built-ins)
 
     for module in filter(None, (m.strip() for m in os.environ.get("OPTIMIZE_PLUGINS", "").split(","))):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from train.config import MemoryConfig
+from train.process_memory import reset_peak_rss, status_bytes
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -79,21 +80,11 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset VmHWM (peak RSS) to the current RSS
-    except OSError:
-        pass
+    reset_peak_rss()  # VmHWM (peak RSS) to the current RSS, where the kernel allows it
 
 
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    hwm = status_bytes("VmHWM")
+    return hwm / 2**20 if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

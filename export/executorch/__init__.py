@@ -12,14 +12,15 @@ in ``runner.py`` and ExecuTorch's C++ text runner in ``llm_runner.py``; MKL thre
 from export.lazy import lazy_names
 
 __all__ = ["ExecuTorchDecoder", "ExecuTorchExporter", "ExecuTorchOptions", "ExecuTorchRunner", "LLMRunnerUnavailable",
-           "NativeLLMRunner", "exported_linear_schemes", "load_llama_custom_ops", "lower_to_pte", "plan_layers",
-           "set_threads"]
+           "NativeLLMRunner", "apply_quantization", "exported_linear_schemes", "is_attention", "load_llama_custom_ops",
+           "lower_to_pte", "plan_layers", "set_threads", "uses_llama_custom_ops"]
 
 __getattr__, __dir__ = lazy_names(__name__, {
     "ExecuTorchExporter": "exporter", "lower_to_pte": "exporter",
     "ExecuTorchOptions": "options",
     "ExecuTorchRunner": "runner", "load_llama_custom_ops": "runner", "set_threads": "runner",
+    "uses_llama_custom_ops": "runner",
     "ExecuTorchDecoder": "llm", "plan_layers": "llm",
     "LLMRunnerUnavailable": "llm_runner", "NativeLLMRunner": "llm_runner",
-    "exported_linear_schemes": "quant",
+    "exported_linear_schemes": "quant", "apply_quantization": "quant", "is_attention": "quant",
 })

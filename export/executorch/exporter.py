@@ -32,7 +32,7 @@ from export.base import EXECUTORCH_TOOLCHAIN, ExportError, ExportOptions, Export
 from export.base import eos_token_ids, package_versions
 from export.executorch.inspection import _check_custom_ops, _delegation, _program_calls
 from export.executorch.options import ExecuTorchOptions, _resolve_max_seq_len, model_problems
-from export.executorch.quant import _apply_quantization, _is_lm_head, _refuse_weight_only, exported_linear_schemes
+from export.executorch.quant import apply_quantization, _is_lm_head, _refuse_weight_only, exported_linear_schemes
 from export.executorch.runner import SCORING_METHOD, ExecuTorchRunner
 from export.precision import (
     check_mix,
@@ -104,19 +104,17 @@ def _export_decoder(decoder, chunk: int, plan, eager_schemes: dict) -> tuple[tor
 
     seq = torch.export.Dim("seq_len", min=1, max=chunk)
     example = min(4, chunk)
-    args = (torch.zeros(1, example, dtype=torch.long), torch.arange(example))
-    # non-strict first: the same graph as TorchDynamo's strict capture on the families the tests cover
-    # (identical programs, to the bit), in a third of the time (SmolLM2: about 10 s instead of 28);
-    # strict capture is the fallback for a model whose Python the non-strict trace cannot follow
-    for strict in (False, True):
-        try:
-            with torch.no_grad():
-                ep = torch.export.export(decoder.eval(), args, dynamic_shapes=({1: seq}, {0: seq}), strict=strict)
-            break
-        except Exception as exc:  # noqa: BLE001 - the strict capture decides; its error is the one reported
-            if strict:
-                raise ExportError(f"torch.export of {type(decoder.model).__name__} with ExecuTorch's LLM ops "
-                                  f"failed: {exc}") from exc
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(
+                decoder.eval(),
+                (torch.zeros(1, example, dtype=torch.long), torch.arange(example)),
+                dynamic_shapes=({1: seq}, {0: seq}),
+                strict=True,
+            )
+    except Exception as exc:
+        raise ExportError(f"torch.export of {type(decoder.model).__name__} with ExecuTorch's LLM ops failed: "
+                          f"{exc}") from exc
     passes = {"reshapes": static_reshapes(ep), "splits": split_as_slices(ep), "custom_ops": _check_custom_ops(ep, plan)}
     passes["graph_schemes"] = exported_linear_schemes(ep)
     check_mix(eager_schemes, passes["graph_schemes"])
@@ -192,7 +190,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     _cast_floats(model, dtype)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    decided = _apply_quantization(model, opts)
+    decided = apply_quantization(model, opts)
     _refuse_weight_only(model)
     mix = quantization_mix(model)
     eager_schemes = module_schemes(model)

@@ -30,6 +30,7 @@ Four sharp edges this module owns:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -198,6 +199,12 @@ class NativeLLMRunner:
                     index.setdefault(self._tok.decode(i, i), []).append(i)
                 except Exception:  # a byte fragment that is not UTF-8 on its own
                     continue
+            # the runner streams an added special token (a chat model's <|im_end|>) as its literal text,
+            # which the tokenizer's own decode does not give back: without these, the EOS that ends a
+            # chat answer would be shown as text
+            for text, i in _added_tokens(self.tokenizer_path).items():
+                if i not in index.get(text, []):
+                    index.setdefault(text, []).append(i)
             self._pieces = index
         return self._pieces
 
@@ -271,6 +278,17 @@ class NativeLLMRunner:
         done = [self.generate(text, decode_tokens + 1, num_bos=num_bos).stats
                 for _ in range(warmup + runs)][warmup:]
         return {**median_stats(done), "runs": runs}
+
+
+def _added_tokens(path: Path) -> dict[str, int]:
+    """A ``tokenizer.json``'s added tokens, literal text -> id (none for a SentencePiece model)."""
+    if path.suffix != ".json":
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return {t["content"]: int(t["id"]) for t in data.get("added_tokens") or [] if "content" in t and "id" in t}
+    except (OSError, ValueError, TypeError, KeyError):
+        return {}
 
 
 def _flush_c_stdio() -> None:

@@ -69,7 +69,7 @@ def _auto_embedding(model: torch.nn.Module) -> dict:
     return {"choice": "int8" if share >= AUTO_EMBEDDING_SHARE else None, "share": round(share, 3)}
 
 
-def _apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> dict:
+def apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> dict:
     from torchao.quantization import (
         Int8DynamicActivationIntxWeightConfig,
         IntxWeightOnlyConfig,

@@ -66,7 +66,7 @@ def thread_count() -> int | None:
         return None
 
 
-def _uses_llama_custom_ops(path: Path) -> bool:
+def uses_llama_custom_ops(path: Path) -> bool:
     """Whether the program names ExecuTorch's LLM custom ops (``llama::custom_sdpa``, ``llama::update_cache``...);
     their kernels register only when ``executorch.extension.llm.custom_ops`` is imported (seconds), so
     programs without them skip it."""
@@ -94,7 +94,7 @@ class ExecuTorchRunner(Runner):
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 
-        if _uses_llama_custom_ops(self.path):
+        if uses_llama_custom_ops(self.path):
             load_llama_custom_ops()
             warn_if_threaded()
 

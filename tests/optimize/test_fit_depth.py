@@ -127,6 +127,7 @@ def test_heal_steps_0_prunes_without_a_heal(tiny_cfg, tiny_config, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(1.2)
 def test_fit_yaml_of_a_depth_winner_resumes_after_the_heal_and_exports(tiny_cfg, tiny_config, tmp_path):
     """`optimize pipeline fit.yaml` on a depth winner: the prune and heal rows are resumed (with the
     figures fit's run measured), not trained again, and the pruned model exports to a smaller .pte;

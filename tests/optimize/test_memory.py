@@ -122,6 +122,7 @@ def test_a_child_that_fails_says_why(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(1.1)
 def test_a_table_stored_once_saves_storage_not_memory(tmp_path):
     """8da8w with an int8 table, tied, as one .pte and with ``weights: external`` (model.ptd holds the
     table once): the artifact shrinks by the table, the measured peak does not, and the memory

@@ -129,3 +129,24 @@ def test_cli_in_a_pipe_prints_the_run_messages_but_not_the_library_noise(tmp_pat
     assert "loading model" in proc.stderr and "stage 0:ptq_int8" in proc.stderr and "report: " in proc.stderr
     assert "Failed to load" not in proc.stderr and "| 0:ptq_int8 |" in proc.stdout
     assert "loading model" in (tmp_path / "run" / "pipeline.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_embedded_api_writes_nothing_in_a_fresh_process(tmp_path):
+    """The README's embedding: `load_config` then `run_pipeline(cfg)` in a fresh interpreter. The
+    config's validation imports the stages (transformers, and torchao through it), whose import logs
+    torchao's missing CUDA extensions and torch's pytree deprecations: none of that may reach the
+    embedding application's stdout or stderr, before the run or during it."""
+    code = textwrap.dedent(f"""
+        from optimize import load_config, run_pipeline
+        cfg = load_config({str(REPO / "examples" / "tiny.yaml")!r})
+        report = run_pipeline(cfg, output_dir={str(tmp_path / "run")!r})
+        assert report.ok, report.stopped_at
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("OPTIMIZE_PLUGINS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == "" and proc.stderr == "", (proc.stdout[-1000:], proc.stderr[-2000:])
+    assert "report: " in (tmp_path / "run" / "pipeline.log").read_text()

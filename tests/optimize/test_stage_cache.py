@@ -82,46 +82,42 @@ def test_a_changed_later_stage_reuses_the_prefix_only(tiny_cfg, tmp_path, cache,
     assert report.rows[1].status == "resumed" and report.rows[2].status == "pass"
 
 
-@pytest.mark.parametrize("change", ["weights", "calibration", "seed", "stage_option", "target"])
-def test_anything_that_changes_the_model_is_another_key(tiny_cfg, tmp_path, cache, monkeypatch, change):
+def test_anything_that_changes_the_model_is_another_key(tiny_cfg, tmp_path, cache, monkeypatch):
     stages = [{"kind": "test_noise", "scale": 0.02}]
     run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a", stages=stages)), say=lambda m: None)
-    cfg = _cfg(tiny_cfg, tmp_path, "b", stages=copy.deepcopy(stages))
-    if change == "weights":
-        cfg["model"]["config"]["initializer_range"] = 0.03
-    elif change == "calibration":
-        cfg["data"]["calibration_tokens"] = 256
-    elif change == "seed":
-        cfg["seed"] = 1
-    elif change == "stage_option":
-        cfg["stages"][0]["scale"] = 0.03
-    else:
-        cfg["target"] = "onnxruntime"
-        cfg["checks"]["memory"] = False
-        monkeypatch.setattr("optimize.pipeline._export", lambda *a, **k: None)
     calls = _spy_stages(monkeypatch)
-    run_pipeline(load_config(cfg), say=lambda m: None)
-    assert calls == ["test_noise"], change
-    assert len(_entries(cache)) == 2
+    for k, change in enumerate(["weights", "calibration", "seed", "stage_option", "target"]):
+        cfg = _cfg(tiny_cfg, tmp_path, change, stages=copy.deepcopy(stages))
+        if change == "weights":
+            cfg["model"]["config"]["initializer_range"] = 0.03
+        elif change == "calibration":
+            cfg["data"]["calibration_tokens"] = 256
+        elif change == "seed":
+            cfg["seed"] = 1
+        elif change == "stage_option":
+            cfg["stages"][0]["scale"] = 0.03
+        else:
+            cfg["target"] = "onnxruntime"
+            monkeypatch.setattr("optimize.pipeline._export", lambda *a, **k: None)
+        run_pipeline(load_config(cfg), say=lambda m: None)
+        assert calls == ["test_noise"] * (k + 1), change
+    assert len(_entries(cache)) == 6
 
 
-def test_names_and_gates_are_not_part_of_the_key(tiny_cfg, tmp_path, cache, monkeypatch):
-    run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a", stages=[{"kind": "test_noise", "scale": 0.02}])),
-                 say=lambda m: None)
-    calls = _spy_stages(monkeypatch)
-    stages = [{"kind": "test_noise", "scale": 0.02, "name": "renamed", "gates": {"perplexity": {"max_pct_degradation": 50}}}]
-    report = run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "b", stages=stages)), say=lambda m: None)
-    assert report.ok and calls == []
-
-
-def test_a_reused_row_is_gated_by_this_runs_gates(tiny_cfg, tmp_path, cache):
+def test_names_and_gates_are_not_part_of_the_key_and_a_reused_row_meets_this_runs_gates(tiny_cfg, tmp_path, cache,
+                                                                                        monkeypatch):
     stages = [{"kind": "test_noise", "scale": 0.05}]
     first = run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a", stages=stages)), say=lambda m: None)
     delta = first.rows[1].metrics.perplexity_delta_pct
     assert first.ok and delta > 0.1
-    strict = _cfg(tiny_cfg, tmp_path, "b", stages=stages, gates={"perplexity": {"max_pct_degradation": delta / 2}})
+    calls = _spy_stages(monkeypatch)
+    lenient = [dict(stages[0], name="renamed", gates={"perplexity": {"max_pct_degradation": 10 * delta}})]
+    report = run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "b", stages=lenient)), say=lambda m: None)
+    assert report.ok and calls == [] and report.rows[1].name == "renamed"
+    strict = _cfg(tiny_cfg, tmp_path, "c", stages=stages, gates={"perplexity": {"max_pct_degradation": delta / 2}})
     report = run_pipeline(load_config(strict), say=lambda m: None)
-    assert not report.ok and report.stopped_at == report.rows[1].name and report.rows[1].status == "fail"
+    assert calls == [] and not report.ok  # reused, and stopped by this run's gate
+    assert report.stopped_at == report.rows[1].name and report.rows[1].status == "fail"
 
 
 def test_other_checks_measure_the_reused_model_again(tiny_cfg, tmp_path, cache, monkeypatch):
@@ -144,17 +140,17 @@ def test_other_checks_measure_the_reused_model_again(tiny_cfg, tmp_path, cache, 
     assert stage_cache.measured_with(entry) != stage_cache.measured_with(Path(report.rows[1].artifact))
 
 
-@pytest.mark.parametrize("damage", ["row.json", "model.pt"])
-def test_a_damaged_entry_is_a_miss(tiny_cfg, tmp_path, cache, monkeypatch, damage):
+def test_a_damaged_entry_is_a_miss(tiny_cfg, tmp_path, cache, monkeypatch):
     stages = [{"kind": "test_noise", "scale": 0.02}]
     run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a", stages=stages)), say=lambda m: None)
-    (entry,) = _entries(cache)
-    (entry / damage).unlink()  # the run's own checkpoint is a link to the same bytes: replace, never write through
-    (entry / damage).write_bytes(b"{not json, not a zip")
     calls = _spy_stages(monkeypatch)
-    report = run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "b", stages=stages)), say=lambda m: None)
-    assert report.ok and calls == ["test_noise"]
-    assert report.rows[1].status == "pass"
+    for k, damage in enumerate(["row.json", "model.pt"]):
+        (entry,) = _entries(cache)
+        (entry / damage).unlink()  # the run's own checkpoint is a link to the same bytes: replace, never write through
+        (entry / damage).write_bytes(b"{not json, not a zip")
+        report = run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, damage, stages=stages)), say=lambda m: None)
+        assert report.ok and calls == ["test_noise"] * (k + 1), damage
+        assert report.rows[1].status == "pass"
 
 
 def test_off_by_default_short_stages_are_not_kept_and_the_cache_is_bounded(tiny_cfg, tmp_path, private_cache,
@@ -187,6 +183,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_two_runs_started_together_compute_a_shared_stage_once(tiny_cfg, tmp_path, cache):
     """The second process waits for the first's stage, then reuses it (fresh interpreters: a test never forks its worker)."""
     stages = [{"kind": "test_sleep", "seconds": 3.0}, {"kind": "test_noise", "scale": 0.02}]

@@ -12,7 +12,7 @@ import torch
 
 from targets.atomic import sha256_file
 from export.base import ExportError, exporter_for_artifact, get_exporter
-from export.executorch.exporter import ExecuTorchExporter, ExecuTorchOptions, _apply_quantization, quantization_mix
+from export.executorch.exporter import ExecuTorchExporter, ExecuTorchOptions, apply_quantization, quantization_mix
 from export.executorch.runner import ExecuTorchRunner
 from export.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import greedy_match, logits_parity
@@ -22,8 +22,10 @@ from tests.export.conftest import TINY_LLAMA as TINY, quiet as _quiet  # ``tiny`
 # broken KV cache cannot hide behind a constant output.
 MAX_SEQ_LEN = 48
 
-# lowering dominates; generous for a contended machine (about 2 min on 2 free cores)
-pytestmark = pytest.mark.timeout(1800)
+# lowering dominates; generous for a contended machine (about 2 min on 2 free cores). The module is one
+# chain of `minutes` (tests/conftest.py): its tests stay on one worker, so the module fixture's seven
+# lowerings are made once, and start first with the SmolLM2 export (about 2 minutes each part)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.minutes(0.15, chain="executorch-exporter")]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def exported(tiny, tmp_path_factory):
         res = ExecuTorchExporter().export(model, tiny.tokenizer, root / name, {**opts, "max_seq_len": MAX_SEQ_LEN},
                                           log=_quiet)
         if how is not None:  # the same torchao quantization the exporter applied to its copy (auto embedding too)
-            _apply_quantization(model, ExecuTorchOptions(**opts))
+            apply_quantization(model, ExecuTorchOptions(**opts))
         out[name] = (res, model)
     return out
 
@@ -370,7 +372,7 @@ def test_quantized_embedding_with_a_padding_idx_lowers_and_matches_eager(tmp_pat
     ("Missing out variants"). Tied table, lm_head fp32, embedding int8 per row, Linears 8da8w: the
     program must lower and agree with its eager twin (the same options applied by the exporter's
     own quantization code), the pad id included."""
-    from export.executorch.quant import _apply_quantization
+    from export.executorch.quant import apply_quantization
     from train.sources import RandomSource, load_model
 
     cfg = {**TINY, "num_hidden_layers": 1, "pad_token_id": 2, "tie_word_embeddings": True}
@@ -379,7 +381,7 @@ def test_quantized_embedding_with_a_padding_idx_lowers_and_matches_eager(tmp_pat
     opts = {"max_seq_len": MAX_SEQ_LEN, "embedding_quantize": "int8", "lm_head": "fp32", "quantize": "8da8w"}
     result = ExecuTorchExporter().export(loaded.model, loaded.tokenizer, tmp_path, opts, log=_quiet)
     twin = copy.deepcopy(loaded.model).eval()
-    _apply_quantization(twin, ExecuTorchOptions(**opts))
+    apply_quantization(twin, ExecuTorchOptions(**opts))
     assert quantization_mix(twin).get("8da8w") == 7
     tokens = torch.tensor([5, 2, 9, 2, 17])  # the pad id itself embeds like any other token
     with torch.no_grad():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from export.executorch.options import ExecuTorchOptions
-from export.executorch.quant import _apply_quantization, is_attention
+from export.executorch.quant import apply_quantization, is_attention
 from export.precision import module_schemes
 
 
@@ -24,7 +24,7 @@ def test_attention_int8_beside_an_int4_body(arch, tiny_config):
     """Every Linear under an attention module is 8da8w, every other body Linear 8da4w, lm_head as
     ``lm_head`` says; the quantized model still computes finite logits."""
     model = _model(tiny_config(arch))
-    _apply_quantization(model, ExecuTorchOptions(quantize="8da4w", group_size=16, attention="8da8w", lm_head="fp32",
+    apply_quantization(model, ExecuTorchOptions(quantize="8da4w", group_size=16, attention="8da8w", lm_head="fp32",
                                                  embedding_quantize=None))
     schemes = module_schemes(model)
     attention = {f: s for f, s in schemes.items() if is_attention(f)}

@@ -222,3 +222,38 @@ def test_programs_run_at_one_torch_thread_and_eager_keeps_its_own(pte, tiny):
     finally:
         torch.set_num_threads(before)
     assert ("execute", 1) in seen and ("generate", 1) in seen and all(n == 1 for _, n in seen), seen
+
+
+@pytest.mark.slow  # the module's `pte`
+def test_the_chat_end_marker_streamed_as_text_is_the_eos_id_not_text(pte):
+    """TextLLMRunner streams an added special token (SmolLM2's <|im_end|>, its EOS) as its literal
+    text, which the C++ tokenizer's decode does not give back: it must still count as the EOS (never
+    shown, never part of the answer)."""
+    llm = ExecuTorchRunner(pte).llm_runner()
+    assert 2 in llm.eos_ids and llm.may_be_eos("<|im_end|>")
+    assert llm._resolve_ids([" Paris", ".", "<|im_end|>"], ended_early=True)[-1] == 2
+
+
+@pytest.mark.slow  # the module's `pte`
+def test_optimize_run_prints_the_answer_and_one_timing_line_only(pte, tmp_path):
+    """`optimize run` in a fresh process: stdout is the answer's one line, stderr the runner's one
+    timing line; ExecuTorch's own cpuinfo prints (straight to file descriptor 2) stay out."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+    argv = ["run", str(pte), "--chat", "--prompt", "Hello there", "--max-new-tokens", "6"]
+    done = subprocess.run([sys.executable, "-c", f"from optimize.cli import main; raise SystemExit(main({argv!r}))"],
+                          capture_output=True, env=env, cwd=tmp_path, timeout=300)  # bytes: a random model's "\r" stays
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, err[-2000:]
+    import io
+
+    streamed = io.StringIO()  # what the API streams for the same call: the CLI prints exactly that
+    generate_from_artifact(pte, "Hello there", max_new_tokens=6, chat=True, runner="llm", stream=streamed,
+                           say=None)
+    assert out == streamed.getvalue() and out.strip() and "<|" not in out, repr(out)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[ExecuTorch TextLLMRunner] prompt"), err

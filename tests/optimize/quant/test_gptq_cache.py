@@ -34,16 +34,22 @@ def _run(model, targets, windows, cache_dir, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "qwen2"])
-def test_another_head_reuses_the_blocks_and_quantizes_as_alone(model_type, tmp_path):
+def test_another_head_reuses_the_blocks_and_quantizes_as_alone(model_type, tmp_path, monkeypatch):
+    from optimize.quant import gptq_sequential
+
     model, body, head, windows = _setup(model_type)
     first = _run(model, body | {head: WeightScheme(8, None, True)}, windows, tmp_path)
     assert first.blocks_cache == "stored"
     int4_head = body | {head: WeightScheme(4, 32, True)}
     model.config._name_or_path = "another/run/stages/00-awq"  # reloaded from another run's checkpoint: same blocks
+    solved: list[int] = []  # the Linears each GPTQ solve took
+    real = gptq_sequential.gptq_layers
+    monkeypatch.setattr(gptq_sequential, "gptq_layers", lambda ws, *a, **k: solved.append(len(ws)) or real(ws, *a, **k))
     reused = _run(model, int4_head, windows, tmp_path)
+    assert solved == [1], solved  # the head alone was calibrated and solved
     alone = _run(model, int4_head, windows, None)
     assert reused.blocks_cache == "reused" and alone.blocks_cache is None
-    assert reused.calibrate_s < alone.calibrate_s  # only the head was calibrated
+    assert sum(solved[1:]) == len(int4_head)
     assert reused.layers.keys() == alone.layers.keys()
     for name in alone.layers:
         assert torch.equal(reused.layers[name].q, alone.layers[name].q), name

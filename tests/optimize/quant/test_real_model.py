@@ -45,6 +45,7 @@ def test_smoothquant_exact_and_awq_helps_on_smollm2(smollm2_loaded, pydoc_splits
     assert kl_awq < kl_rtn
 
 
+@pytest.mark.minutes(1.1)
 def test_gptq_stage_beats_round_to_nearest_on_smollm2(smollm2_loaded, pydoc_splits, tmp_path):
     """The ptq_int8 stage with algorithm gptq (the torchao tensors it installs, in eager) against
     round-to-nearest, on evaluation text GPTQ never saw. The first ten blocks are quantized, the
