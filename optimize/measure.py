@@ -8,6 +8,8 @@ module decides what a row's numbers are, and is what a test calls to check one r
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +22,7 @@ from optimize.checks.accuracy import BaselineLogits, evaluate
 from optimize.checks.latency import measure_latency, torch_threads
 from optimize.checks.size import parameter_count, serialized_bytes
 from optimize.config import PipelineConfigBase
-from optimize.report import Metrics
+from optimize.report import Metrics, StageRow
 
 MIB = 1024 * 1024
 
@@ -160,3 +162,25 @@ def score_tasks(state: RunState, runner: Runner, details: dict, model: torch.nn.
                                        max_length=max_length)
     details["tasks"] = facts
     return {s.task: s for s in scores}
+
+
+def score_row_tasks(state: RunState, row: StageRow, model: torch.nn.Module, runner: Runner | None = None) -> None:
+    """checks.tasks on this row when it is selected: eager rows through EagerRunner on the model,
+    export rows through the artifact's own runner."""
+    tasks = state.cfg.checks.tasks
+    if not tasks.enabled or not tasks.selects(row.index, row.name, row.kind):
+        return
+    runner = runner or EagerRunner(model)
+    state.say(f"{row.name}: scoring {', '.join(tasks.names)} in {runner.runtime}"
+              + (f" (first {tasks.limit} items each)" if tasks.limit else ""))
+    row.metrics.tasks = score_tasks(state, runner, row.details, model)
+    state.say(f"{row.name}: " + ", ".join(f"{t} {s.metric} {s.score:.1f}" for t, s in row.metrics.tasks.items()
+                                          if s.score is not None))
+
+
+def checks_key(cfg: PipelineConfigBase) -> str:
+    """What a row's measurements depend on besides its model or artifact: the checks and the data
+    (an export reused with other checks, a stage reused from the stage cache, is measured again)."""
+    key = {"checks": cfg.checks.model_dump(mode="json"), "data": cfg.data.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+

@@ -13,6 +13,7 @@ it nothing is drawn. The ETA is computed here from the steps seen so far, so cal
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -195,3 +196,23 @@ def collect() -> tuple[list[ProgressEvent], Callback]:
 
 
 __all__ = ["Callback", "Progress", "ProgressEvent", "collect"]
+
+
+#: the hub of the run in progress (set by :func:`optimize.pipeline.run_pipeline`), for the parts of the
+#: runner that report phases (the stages' loop, the export and its verification)
+_CURRENT: contextvars.ContextVar[Progress | None] = contextvars.ContextVar("optimize_progress", default=None)
+
+
+def current_hub() -> Progress:
+    """The run's hub; a silent one outside a run."""
+    return _CURRENT.get() or Progress()
+
+
+def use_hub(hub: Progress) -> contextvars.Token:
+    """Make ``hub`` the run's hub; :func:`reset_hub` with the token puts the previous one back."""
+    return _CURRENT.set(hub)
+
+
+def reset_hub(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)
+

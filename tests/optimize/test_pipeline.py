@@ -153,7 +153,7 @@ def test_compute_dtype_places_the_model_and_the_export_gets_it_back_on_cpu_in_fp
         p = next(model.parameters())
         seen.update(device=p.device.type, dtype=p.dtype, all_fp32=all(q.dtype == torch.float32 for q in model.parameters()))
 
-    monkeypatch.setattr(pipeline, "_export", fake_export)
+    monkeypatch.setattr(pipeline, "export_rows", fake_export)
     tiny_cfg.update(device="cpu", compute_dtype="bfloat16", target="executorch")
     tiny_cfg["stages"] = [{"kind": "test_where"}]
     report = run_pipeline(load_config(tiny_cfg), say=lambda m: None)

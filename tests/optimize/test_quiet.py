@@ -89,17 +89,11 @@ def test_executorch_pipeline_in_a_fresh_process_is_silent(tmp_path):
     }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    code = textwrap.dedent(f"""
+    _silent_in_a_fresh_process(f"""
         from optimize import run_pipeline
         report = run_pipeline({str(path)!r})
         assert report.ok, report.stopped_at
-    """)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("OPTIMIZE_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout == "" and proc.stderr == ""
+    """, tmp_path)
     log = (tmp_path / "run" / "pipeline.log").read_text()
     assert "exporting to executorch" in log and "report: " in log
     assert "Failed to load" in log or "cpuinfo" in log  # the native / import noise that used to reach stderr
@@ -137,16 +131,20 @@ def test_the_embedded_api_writes_nothing_in_a_fresh_process(tmp_path):
     config's validation imports the stages (transformers, and torchao through it), whose import logs
     torchao's missing CUDA extensions and torch's pytree deprecations: none of that may reach the
     embedding application's stdout or stderr, before the run or during it."""
-    code = textwrap.dedent(f"""
+    _silent_in_a_fresh_process(f"""
         from optimize import load_config, run_pipeline
         cfg = load_config({str(REPO / "examples" / "tiny.yaml")!r})
         report = run_pipeline(cfg, output_dir={str(tmp_path / "run")!r})
         assert report.ok, report.stopped_at
-    """)
+    """, tmp_path)
+    assert "report: " in (tmp_path / "run" / "pipeline.log").read_text()
+
+
+def _silent_in_a_fresh_process(code: str, cwd) -> None:
+    """Run ``code`` in a fresh interpreter (no test plugins): it must succeed and print nothing at all."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("OPTIMIZE_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr == "", (proc.stdout[-1000:], proc.stderr[-2000:])
-    assert "report: " in (tmp_path / "run" / "pipeline.log").read_text()

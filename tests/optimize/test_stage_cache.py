@@ -48,7 +48,7 @@ def _spy_stages(monkeypatch) -> list[str]:
         spec = real(kind)
         return spec.__class__(**{**spec.__dict__, "fn": lambda m, c, x, _f=spec.fn: calls.append(kind) or _f(m, c, x)})
 
-    monkeypatch.setattr("optimize.pipeline.get_stage", spy)
+    monkeypatch.setattr("optimize.stage_rows.get_stage", spy)
     return calls
 
 
@@ -98,7 +98,7 @@ def test_anything_that_changes_the_model_is_another_key(tiny_cfg, tmp_path, cach
             cfg["stages"][0]["scale"] = 0.03
         else:
             cfg["target"] = "onnxruntime"
-            monkeypatch.setattr("optimize.pipeline._export", lambda *a, **k: None)
+            monkeypatch.setattr("optimize.pipeline.export_rows", lambda *a, **k: None)
         run_pipeline(load_config(cfg), say=lambda m: None)
         assert calls == ["test_noise"] * (k + 1), change
     assert len(_entries(cache)) == 6
