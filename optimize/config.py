@@ -94,7 +94,7 @@ class PipelineConfigBase(Strict):
     stage_cache: bool = Field(
         False, description="also keep finished stages under $OPTIMIZE_CACHE/stages and reuse them in any run "
         "directory: the same stages on the same weights (every byte), calibration text, target, device, toolchain "
-        "and code (the 6 most recently used; stages of at least 10 s)")
+        "and code (the 4 most recently used; stages of at least 10 s)")
     tracking: TrackingConfig | None = Field(
         None, description="experiment tracking: tracking.mlflow records params, per-row metrics and the report "
         "in MLflow (the optional `tracking` extra)"

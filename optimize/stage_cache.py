@@ -46,7 +46,7 @@ from train.model_cache import cache_root, ids_digest, keep_most_recent, link_or_
 
 CACHE_VERSION = 1
 #: entries kept, most recently used first (a stage checkpoint is the model's size: 250-550 MB for SmolLM2-135M)
-KEEP = 6
+KEEP = 4
 #: a stage is kept only when computing it (and measuring its row) took at least this long
 MIN_STAGE_S = 10.0
 #: in an entry (and beside a checkpoint it was linked into): what the row was measured with

@@ -135,6 +135,7 @@ def test_fit_yaml_of_a_depth_winner_resumes_after_the_heal_and_exports(tiny_cfg,
     from optimize.pipeline import run_pipeline
 
     tiny_cfg["model"]["config"] = tiny_config("qwen2", num_hidden_layers=4)
+    tiny_cfg["checks"]["memory"] = True  # fit.yaml names the device: its memory gate needs the measured peak
     path = _yaml(tmp_path, tiny_cfg)
     priced = fit(path, "raspberry-pi-5", out_dir=tmp_path / "priced", windows=0, depths=[2])
     # a memory budget only 2-block recipes meet (the tiny model's decode, predicted from its measured
@@ -149,7 +150,7 @@ def test_fit_yaml_of_a_depth_winner_resumes_after_the_heal_and_exports(tiny_cfg,
     assert res.winner.runtime["artifact"].startswith(str(tmp_path / "fit" / "depth" / "2" / "finalists"))
     assert res.winner.runtime["artifact_bytes"] == pytest.approx(res.winner.artifact_bytes, rel=0.15)  # priced
     report = run_pipeline(tmp_path / "fit" / "fit.yaml")
-    assert report.ok, report.stopped_at
+    assert report.ok, [(r.name, r.status, r.error, [g.message for g in r.gates if not g.ok]) for r in report.rows]
     names = [r.name for r in report.rows]
     assert names[:3] == ["baseline", "0:prune", "1:distill"] and names[3].startswith("export:")
     assert [r.status for r in report.rows[1:3]] == ["resumed", "resumed"]
