@@ -153,10 +153,33 @@ def _convert(gguf: Path, target: Path) -> None:
     model.hf_quantizer = None
     model.is_quantized = False
     with atomic_dir(target, keep_existing=True) as tmp:  # a cache: another process may convert it too
-        model.save_pretrained(tmp, safe_serialization=True)
+        _save_conversion(model, tmp)
         tok.save_pretrained(tmp)
         _write_legacy_rope(tmp)
         record_source(tmp, gguf)
+
+
+def _save_conversion(model: torch.nn.Module, folder: Path) -> None:
+    """The converted model's config and weights, written by whichever process converts.
+
+    Not ``save_pretrained``: transformers 5 writes nothing from a process whose
+    ``torch.distributed`` rank is not 0, and the conversion runs in whichever torchrun rank took
+    the lock first (on an empty cache, rank 1 left an empty folder and the run failed). A weight
+    shared by two modules (the tied embedding and output head) is stored once, under its first
+    name in the state dict (the embedding), as ``save_pretrained`` stores it; loading ties it again."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_legacy_rope(model_dir: Path) -> None:

@@ -83,6 +83,7 @@ def test_a_changed_later_stage_reuses_the_prefix_only(tiny_cfg, tmp_path, cache,
 
 
 def test_anything_that_changes_the_model_is_another_key(tiny_cfg, tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(stage_cache, "KEEP", 8)  # six keys must all stay to be counted (the bound has its own test)
     stages = [{"kind": "test_noise", "scale": 0.02}]
     run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a", stages=stages)), say=lambda m: None)
     calls = _spy_stages(monkeypatch)

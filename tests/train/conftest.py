@@ -7,6 +7,7 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,7 @@ def write_recipe(path: Path, recipe: dict) -> Path:
 def _env() -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that dies natively prints its Python stack
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
@@ -67,13 +69,20 @@ def train_command(recipe: Path, overrides=(), nproc: int = 1) -> list[str]:
 
 
 def run_train(recipe: Path, overrides=(), nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run the trainer in a subprocess; a rank dying by SIGABRT (seen once in 16 gloo runs) gets one retry."""
+    """Run the trainer in a subprocess. A rank that dies natively inside torch's gloo transport
+    (SIGABRT seen once in 16 runs; SIGSEGV once in CI on 2026-11-28, not reproduced in 16 runs
+    alone or under load) gets one retry, and the crash is reported as a warning with the dying
+    rank's Python stack (faulthandler) so it stays visible; a crash that repeats fails the test."""
     cmd = train_command(recipe, overrides, nproc)
     for attempt in range(2):
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-        aborted = proc.returncode != 0 and ("SIGABRT" in proc.stderr or "Signal 6" in proc.stderr)
-        if not aborted or attempt:
+        crashed = proc.returncode != 0 and any(
+            s in proc.stderr for s in ("SIGABRT", "Signal 6", "SIGSEGV", "Signal 11"))
+        if not crashed or attempt:
             break
+        fatal = proc.stderr.find("Fatal Python error")
+        stack = proc.stderr[fatal:fatal + 3000] if fatal >= 0 else proc.stderr[-3000:]
+        warnings.warn(f"{recipe.name}: a rank crashed natively; retried once:\n{stack}", stacklevel=2)
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return proc
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from train.model_cache import SOURCE_FILE, conversion_dir, drop_stale_conversions, record_source
 from train.sources import bundled_gguf_path, convert_gguf
@@ -76,3 +77,39 @@ def test_a_bounded_cache_drops_old_entries_with_their_locks_and_old_orphan_locks
     fresh.touch()  # a writer may hold it right now
     keep_most_recent(tmp_path, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".b.lock", ".busy.lock", ".c.lock", ".writing.123.tmp", "b", "c"]
+
+
+@pytest.fixture()
+def rank_one(monkeypatch):
+    """As in the second process of a torchrun launch: transformers 5's save_pretrained writes
+    nothing there (only rank 0 saves), so a conversion made by that process must not rely on it."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_a_conversion_is_written_whole_by_any_rank_with_its_tied_head_stored_once(arch, tiny_config, rank_one,
+                                                                                   tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from train.sources import _save_conversion
+
+    from transformers import AutoConfig
+
+    cfg = tiny_config(arch, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).eval()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    _save_conversion(model, tmp_path)
+    assert (tmp_path / "config.json").is_file()
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert not any(k.startswith("lm_head") for k in keys)  # the tied head is the embedding, stored once
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    assert back.get_output_embeddings().weight is back.get_input_embeddings().weight
+    want, got = model.state_dict(), back.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
