@@ -115,7 +115,8 @@ def _one(name: str, length: int, layers: int, steps: int, device_name: str, prec
     from train.chunked_loss import chunked_lm_loss
     from train.config import LoopConfig
     from train.distributed import DistContext
-    from train.loop import causal_lm_loss, prepare_model
+    from train.loop import prepare_model
+    from train.step import causal_lm_loss
     from train.memory import peak_memory_mib, reset_peak_memory
 
     device = torch.device(device_name)

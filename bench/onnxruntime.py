@@ -60,7 +60,8 @@ def measure(runner, genai, eval_ids, prompt, runs: int, decode_tokens: int) -> d
 def build_ours(name: str, lm, splits, out: Path, log) -> tuple[Path, float, dict]:
     """Apply a recipe's stages (as the pipeline would) and export; returns (dir, seconds, info)."""
     from export.onnxruntime.exporter import OnnxRuntimeExporter
-    from optimize.config import export_options, load_config
+    from optimize.config import load_config
+    from optimize.config_checks import export_options
     from optimize.stage_api import StageContext, get_stage
     from targets import load_target
     from train.corpus import windows

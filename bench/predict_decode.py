@@ -32,7 +32,7 @@ def export_rows(report: Path) -> list[tuple[str, dict, dict]]:
     """(name, device prediction, run facts) of each export row measured with a device profile; a
     report from before ``weight_bytes_by_scheme`` existed gets it from its config and graph record."""
     from optimize.config import _pipeline_model
-    from optimize.predict import bytes_by_scheme
+    from optimize.footprint.predict import bytes_by_scheme
     from train.sources import peek_config
 
     data = json.loads(report.read_text())
@@ -74,7 +74,7 @@ def remeasure(rows: list, rounds: int) -> None:
 
 
 def main(argv=None) -> int:
-    from optimize.predict import DevicePrediction, nearest_source, precision_overlap, predict_from_another
+    from optimize.footprint.predict import DevicePrediction, nearest_source, precision_overlap, predict_from_another
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", type=Path)
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             lines.append(f"| {sname} | {tname} | {src.host_fraction_of_ceiling:.3f} | {mib}, + "
                          f"{(dst.kv_bytes_per_token or 0) / 2**20:.1f} | {pred:.1f} | {measured:.1f} | {ratio:.3f} |")
     # what a user with several measured recipes does: predict from the one whose precisions are most alike
-    near = ["", "Each target predicted from its nearest source (optimize.predict.nearest_source: the most alike "
+    near = ["", "Each target predicted from its nearest source (optimize.footprint.predict.nearest_source: the most alike "
             "precision mix):", "", "| target | nearest source | precision overlap | predicted tok/s | measured tok/s "
             "| predicted / measured |", "|---|---|---:|---:|---:|---:|"]
     nearest = []

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from optimize import export_cache
-from optimize.config import PipelineConfigBase, export_options
+from optimize.config import PipelineConfigBase
+from optimize.config_checks import export_options
 from optimize.gates_config import GatesConfig, MetricGoal
 from optimize.measure import RunState, checks_key, measure_runner, score_row_tasks
 from optimize.progress import current_hub
@@ -143,9 +144,9 @@ def _tied(model: torch.nn.Module) -> bool:
 def _measure_memory(state: RunState, model: torch.nn.Module, exporter, path: Path, row: StageRow,
                     artifact_bytes: int | None, max_seq_len: int | None):
     """The row's memory: artifact and KV-cache bytes, and the peak RSS of a child process that loads
-    the artifact and runs a prefill of the cache's length plus decode steps (optimize/memory.py)."""
-    from optimize.memory import footprint
-    from optimize.predict import packed_copy_bytes
+    the artifact and runs a prefill of the cache's length plus decode steps (optimize/footprint/memory.py)."""
+    from optimize.footprint.memory import footprint
+    from optimize.footprint.predict import packed_copy_bytes
 
     cfg, profile = state.cfg, state.profile
     options = export_options(cfg, profile.exporter, profile)
@@ -159,7 +160,7 @@ def _measure_memory(state: RunState, model: torch.nn.Module, exporter, path: Pat
                        kv_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "float32",
                        packed_bytes=packed, threads=cfg.checks.latency.threads)
     except Exception as exc:  # a measurement that cannot run is recorded, never the export's failure
-        from optimize.memory import MemoryFootprint
+        from optimize.footprint.memory import MemoryFootprint
 
         fp = MemoryFootprint(artifact_bytes=artifact_bytes, error=f"{type(exc).__name__}: {exc}")
     if fp.error:
@@ -193,7 +194,7 @@ def _device_gates_or_error(state: RunState, device, model: torch.nn.Module, row:
 def _device_gates(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
     """The row on the device: memory and storage fit (measured figures) and the PREDICTED decode rate,
     into ``row.metrics.device``; returns the device's gate results."""
-    from optimize.predict import bytes_by_scheme, device_gates, predict, weight_bytes_per_token
+    from optimize.footprint.predict import bytes_by_scheme, device_gates, predict, weight_bytes_per_token
     from targets.devices import host_bandwidth
 
     m, lat = row.metrics, state.cfg.checks.latency

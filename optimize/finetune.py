@@ -39,7 +39,7 @@ from train.config import (
     PrecisionConfig,
     ScheduleConfig,
 )
-from train.loop import causal_lm_loss
+from train.step import causal_lm_loss
 
 
 class FinetuneConfig(Strict):

@@ -97,7 +97,7 @@ class GatesConfig(Strict):
 
 class GateResult(BaseModel):
     """One gate checked on one report row: the metric, its goal, the row's value and the baseline's,
-    and whether it held (a device's gates too: :func:`optimize.predict.device_gates`)."""
+    and whether it held (a device's gates too: :func:`optimize.footprint.predict.device_gates`)."""
 
     metric: str
     goal: dict[str, Any]

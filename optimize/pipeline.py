@@ -28,7 +28,8 @@ import torch
 
 from optimize import checkpoints as ckpt
 from optimize.checks.accuracy import BaselineLogits, eval_windows
-from optimize.config import PipelineConfigBase, dump_config, load_config, model_problems
+from optimize.config import PipelineConfigBase, dump_config, load_config
+from optimize.config_checks import model_problems
 from optimize.device import DTYPES, floating_dtype, place, resolve_device
 from optimize.errors import ConfigError
 from optimize.export_rows import export_rows

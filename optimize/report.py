@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from optimize.gates_config import GateResult
-from optimize.memory import MemoryFootprint
-from optimize.predict import DevicePrediction
+from optimize.footprint.memory import MemoryFootprint
+from optimize.footprint.predict import DevicePrediction
 from optimize.resources import Resources
 from optimize.tasks.scores import TaskScore
 from targets.atomic import atomic_path, atomic_write_json, atomic_write_text

@@ -163,6 +163,8 @@ def registered_stages() -> dict[str, StageSpec]:
     from targets.quiet_imports import import_quietly
 
     import_quietly()  # the built-ins import transformers and torchao: their import noise must not reach the caller
+    # the one import that runs up the house, on purpose: the registry is below the stages that
+    # register in it (each imports StageContext and register_stage from here), and loads them on first use
     import optimize.stages  # noqa: F401  (registers the built-ins)
 
     for module in filter(None, (m.strip() for m in os.environ.get("OPTIMIZE_PLUGINS", "").split(","))):

@@ -6,7 +6,7 @@ use, the storage allowed for the model, memory bandwidth (theoretical and the fr
 reaches), big/mid/little cores, ISA features, which targets run there, and budgets. With
 ``device_profile:`` in a pipeline YAML (or ``--device-profile``), every export row is checked
 against it: measured peak memory against the usable memory, the artifact against the storage
-budget, and a predicted decode rate against the decode budget (:mod:`optimize.predict`).
+budget, and a predicted decode rate against the decode budget (:mod:`optimize.footprint.predict`).
 
 Profiles live in ``targets/devices/*.yaml``, each figure with a YAML comment naming its source (or
 saying it is an estimate); a user can point at a file of their own. The ``host`` profile is not

@@ -12,7 +12,7 @@ Public API (``optimize.losses`` and the distill stage use the KL primitive; the 
 hidden states come from :mod:`train.lm_head`):
 
 - :func:`chunked_cross_entropy`, :func:`chunked_kl_to_teacher`: the losses;
-- :func:`chunked_lm_loss`: a ``train.loop`` loss function built on them;
+- :func:`chunked_lm_loss`: a training loss (``train.step``) built on them;
 - :func:`check_head_matches_logits`: refuses a model whose logits the head does not explain.
 """
 

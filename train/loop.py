@@ -6,7 +6,9 @@ Callers (the recipe runner, and the pipeline's ``distill`` and ``qat`` stages) p
 Everything else (precision, memory savers, LoRA, FSDP2, checkpoints, resume, export, the
 attention kernel and pattern, the chunked loss, the length curriculum) comes from the typed
 :class:`~train.config.LoopConfig`. Without ``loss_fn`` the loss is next-token cross-entropy,
-chunked through the output head (``train.chunked_loss``) unless ``loss.chunked`` is off.
+chunked through the output head (``train.chunked_loss``) unless ``loss.chunked`` is off. One
+step (its loss, precision, micro-batches and optimizer step) is :mod:`train.step`'s; this module
+owns the run around it: preparation, resume, read-backs, checkpoints and export.
 
 The step never waits for the device: each micro-batch's loss is summed on the device, the
 gradient norm stays a tensor, and both are read back (one sync, and under FSDP one all-reduce)
@@ -17,43 +19,33 @@ fp16's GradScaler is the exception: its inf check reads the device every step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from train import checkpoint as ckpt
-from train.attention import AttentionSetup, KernelRecorder, configure_attention, restore_attention
-from train.batching import MicroBatchPlan, is_oom
-from train.chunked_loss import check_head_matches_logits, chunked_lm_loss
+from train.attention import configure_attention, restore_attention
+from train.batching import MicroBatchPlan
+from train.chunked_loss import check_head_matches_logits
 from train.compile import compile_blocks, eager, uncompile
 from train.config import LoopConfig
 from train.curriculum import LengthSchedule, StagedBatches
-from train.data import PackedWindows, split_micro
+from train.data import PackedWindows
 from train.distributed import DistContext, all_reduce_max, apply_fsdp, init_distributed, teardown
 from train.export_hf import export_pretrained
 from train.flops import device_peak, model_flops
 from train.lora import apply_lora
-from train.memory import activation_offload_context, apply_activation_checkpointing, peak_memory_mib, reset_peak_memory
+from train.memory import apply_activation_checkpointing, peak_memory_mib, reset_peak_memory
 from train.metrics import MetricsLogger
-from train.optim import build_optimizer, build_scheduler, clip_offloaded_grads
+from train.optim import build_optimizer, build_scheduler
+from train.step import LossFn, default_loss, optimizer_step, step_precision
 from train.throughput import PendingSteps, Throughput
 
 log = logging.getLogger("optimize.train")
-
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-
-
-def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy; labels are already shifted by the data pipeline."""
-    out = model(input_ids=batch["input_ids"], use_cache=False)
-    logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
 
 
 @dataclass
@@ -82,17 +74,6 @@ class TrainResult:
     device_name: str = ""
     peak_tflops: float | None = None  # per device, what MFU is measured against
     compiled_blocks: int = 0
-
-
-def _autocast(mode: str, device: torch.device, fsdp: bool):
-    if mode == "fp32" or fsdp:  # under FSDP the MixedPrecisionPolicy casts instead
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if mode == "bf16" else torch.float16)
-
-
-def step_precision(cfg: LoopConfig, device: torch.device):
-    """The autocast every forward of a training step runs under (a no-op for fp32 and under FSDP)."""
-    return _autocast(cfg.precision.mode, device, cfg.distributed.fsdp)
 
 
 def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
@@ -167,30 +148,6 @@ def train(
             teardown(ctx)
 
 
-def _compiled_causal_lm_loss() -> LossFn:
-    """:func:`causal_lm_loss` with its fp32 cross-entropy through ``torch.compile`` (full-logits path)."""
-
-    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    ce = torch.compile(cross_entropy)
-
-    def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = model(input_ids=batch["input_ids"], use_cache=False)
-        return ce(out.logits if hasattr(out, "logits") else out, batch["labels"])
-
-    return loss_fn
-
-
-def _default_loss(cfg: LoopConfig) -> tuple[LossFn, str]:
-    compiled = cfg.compile.enabled and cfg.compile.loss
-    suffix = ", compiled" if compiled else ""
-    if cfg.loss.chunked:
-        name = f"cross-entropy, chunked ({cfg.loss.chunk_size} tokens per chunk){suffix}"
-        return chunked_lm_loss(cfg.loss.chunk_size, compiled=compiled), name
-    return (_compiled_causal_lm_loss() if compiled else causal_lm_loss), f"cross-entropy, full fp32 logits{suffix}"
-
-
 def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokenizer, ctx: DistContext,
            on_step: Callable[[dict], None] | None = None) -> TrainResult:
     out_dir = Path(cfg.output_dir)
@@ -202,7 +159,7 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
     check_head = loss_fn is None and cfg.loss.chunked
     loss_name = "caller's loss"
     if loss_fn is None:
-        loss_fn, loss_name = _default_loss(cfg)
+        loss_fn, loss_name = default_loss(cfg)
     if ctx.is_main:
         log.info("loss: %s", loss_name)
         if len(schedule) > 1:
@@ -277,7 +234,7 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
                 with attn.context(), step_precision(cfg, ctx.device), eager(compiled):
                     check_head_matches_logits(model, batch["input_ids"])
             record = staged.seq_len not in attn.by_length  # first step at this length: watch the kernels
-            out = _optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record)
+            out = optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record)
             if record and ctx.is_main:
                 log.info("%s", attn.describe(staged.seq_len))
             scheduler.step()
@@ -350,61 +307,3 @@ def _attention_span(cfg: LoopConfig) -> int | None:
     """Keys a query sees under a sliding window (plus the global tokens); None for full causal attention."""
     window = cfg.attention.sliding_window
     return None if window is None else window + cfg.attention.global_tokens
-
-
-def _forward(model, mb, loss_fn, attn: AttentionSetup, record: bool, compiled: bool):
-    """The loss of one micro-batch; ``record`` watches it for the attention kernels that run
-    (eagerly: compiled code would not show the mode its calls, and would trace once more for it)."""
-    if not record:
-        return loss_fn(model, mb)
-    with eager(compiled), KernelRecorder() as rec:
-        loss = loss_fn(model, mb)
-    attn.observe(mb["input_ids"].shape[1], rec.observed())
-    return loss
-
-
-def _optimizer_step(
-    model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn: AttentionSetup, record: bool
-) -> dict:
-    """Accumulate gradients over micro-batches (retrying smaller on OOM if dynamic), clip, step.
-
-    Returns the step's loss and gradient norm as device tensors: nothing here waits for the device.
-    The SDPA kernel choice covers backward too: activation checkpointing recomputes attention there."""
-    total_tokens = batch["labels"].numel()
-    while True:
-        try:
-            loss_sum = torch.zeros((), dtype=torch.float32, device=ctx.device)
-            micros = split_micro(batch, plan.micro)
-            for i, mb in enumerate(micros):
-                if fsdp:  # reduce-scatter gradients only on the last micro-batch
-                    model.set_requires_gradient_sync(i == len(micros) - 1)
-                with attn.context():
-                    with step_precision(cfg, ctx.device), activation_offload_context(
-                        cfg.memory.activation_offload, ctx.device
-                    ):
-                        loss = _forward(model, mb, loss_fn, attn, record and i == 0, cfg.compile.enabled)
-                    weighted = loss * (mb["labels"].numel() / total_tokens)
-                    (scaler.scale(weighted) if scaler is not None else weighted).backward()
-                loss_sum += weighted.detach().float()
-            break
-        except Exception as exc:
-            if not (cfg.batch.dynamic and is_oom(exc)):
-                raise
-            optimizer.zero_grad(set_to_none=True)
-            plan.shrink(exc)
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    clip_offloaded_grads(optimizer, norm, cfg.grad_clip)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum, "grad_norm": norm.detach()}

@@ -2,7 +2,7 @@
 
 One reader for the three places that measure memory: a pipeline row's cost
 (:mod:`optimize.resources`), an exported artifact's footprint in a child process
-(:mod:`optimize.memory`) and a training phase's peak (:mod:`train.memory`). On Linux the figures
+(:mod:`optimize.footprint.memory`) and a training phase's peak (:mod:`train.memory`). On Linux the figures
 are ``/proc/self/status``'s ``VmRSS`` (now) and ``VmHWM`` (the high-water mark), and the mark is
 reset to the current figure by writing 5 to ``/proc/self/clear_refs``, so each span's short
 spikes count; elsewhere both calls say they could not (None, False) and the callers fall back.

@@ -2,7 +2,7 @@
 or fp32) while the model stays within a size budget and/or a decode-latency budget.
 
 Candidates (module groups such as ``lm_head``, a whole block, or every ``down_proj``) are
-scored by :func:`optimize.sensitivity.analyze_sensitivity` on calibration text, then promoted
+scored by :func:`optimize.quant.sensitivity.analyze_sensitivity` on calibration text, then promoted
 greedily by KL saved per extra byte until a budget is spent. Groups may overlap
 (``*.down_proj`` and ``model.layers.29``): a module's bytes are counted once.
 
@@ -44,7 +44,7 @@ def _promoted_bytes(mod: nn.Linear, promote_to: Promote) -> float:
 
 
 def _tied_head(model: nn.Module) -> str | None:
-    from optimize.stages._select import is_tied, module_name
+    from optimize.module_select import is_tied, module_name
 
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     if get_in is None or get_out is None:
@@ -233,8 +233,8 @@ def budget_keep(
     A group's score is its KL when quantized alone at ``scheme``: what promoting it can win back
     at most. Returns the plan and the scored groups (for the report).
     """
-    from optimize.sensitivity import analyze_sensitivity, module_groups
-    from optimize.stages._select import matches, resolve_patterns
+    from optimize.quant.sensitivity import analyze_sensitivity, module_groups
+    from optimize.module_select import matches, resolve_patterns
 
     sel = set(selected)
     if candidates is None:

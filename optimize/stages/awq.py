@@ -85,7 +85,7 @@ class AwqConfig(StageConfig):
     def _group_size_problems(self, model: nn.Module) -> list[str]:
         """The int4 search fake-quantizes every searched reader in groups of group_size."""
         from optimize.quant.equalize import fold_groups
-        from optimize.stages._select import select_modules, unmatched_patterns
+        from optimize.module_select import select_modules, unmatched_patterns
 
         typos = unmatched_patterns(model, self.keep_high_precision)
         if typos:
@@ -103,7 +103,7 @@ def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     from optimize.quant.awq import awq_scale
     from optimize.quant.host_independent import computing_in, resolve
     from optimize.quant.fakequant import scheme_for
-    from optimize.stages._select import select_modules, unmatched_patterns
+    from optimize.module_select import select_modules, unmatched_patterns
 
     if not ctx.calibration:
         raise ValueError("awq needs calibration text; set data.calibration_tokens > 0")

@@ -265,7 +265,7 @@ def _width(model: nn.Module, cfg: PruneConfig, ctx: StageContext, windows: list)
 
 
 def _sparse(model: nn.Module, cfg: PruneConfig, ctx: StageContext, windows: list) -> tuple[nn.Module, dict]:
-    from optimize.stages._select import select_modules, unmatched_patterns
+    from optimize.module_select import select_modules, unmatched_patterns
 
     typos = unmatched_patterns(model, cfg.modules or [])
     if typos:

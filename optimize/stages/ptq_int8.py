@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from optimize.stage_api import StageContext, register_stage
-from optimize.stages._select import is_tied
+from optimize.module_select import is_tied
 from optimize.stages.ptq_config import Ptq8Config
 from optimize.quant.source_grid import restore as restore_grid
 from optimize.stages.ptq_gptq import install_integers, quantize_gptq
@@ -93,7 +93,7 @@ def source_grids(model: nn.Module, names: list[str], group_size: int) -> dict:
     projection is never among them: it may share its table with the embedding, and exporters read
     its weight as a Linear's; it goes through the stage's ``algorithm``."""
     from optimize.quant.source_grid import find_grid
-    from optimize.stages._select import module_name
+    from optimize.module_select import module_name
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = module_name(model, head) if head is not None else None

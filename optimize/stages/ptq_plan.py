@@ -14,7 +14,7 @@ from typing import TypedDict
 import torch
 from torch import nn
 
-from optimize.stages._select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
+from optimize.module_select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
 from targets.group_size import embedding_width_error, widths_error
 
 

@@ -27,7 +27,7 @@ from pydantic import Field, ValidationError, model_validator
 from torch import nn
 
 from optimize.stage_api import StageContext, register_stage
-from optimize.stages._select import is_tied
+from optimize.module_select import is_tied
 from optimize.stages.distill import TrainingStageConfig, resolve_teacher, run_training
 from optimize.stages.ptq_config import Ptq8Config
 from optimize.stages.ptq_int8 import linear_config

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from optimize.sensitivity import SensitivityReport, analyze_sensitivity, module_groups, run_sensitivity, write_sensitivity
+from optimize.quant.sensitivity import SensitivityReport, analyze_sensitivity, module_groups, write_sensitivity
+from optimize.sensitivity import run_sensitivity
 
 
 def _windows(n=2, length=48):

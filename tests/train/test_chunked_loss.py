@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from train.chunked_loss import check_head_matches_logits, chunked_cross_entropy, chunked_kl_to_teacher, chunked_lm_loss
 from train.lm_head import ChunkedLossError, LMHead, lm_head_of
-from train.loop import causal_lm_loss
+from train.step import causal_lm_loss
 
 
 def _plain_logits(h, head: LMHead):

@@ -207,7 +207,7 @@ def test_no_host_sync_per_micro_step(tiny_llama, train_ids, tmp_path, monkeypatc
         _run(tiny_llama, train_ids, cfg)
         counts[accum] = list(calls)
     assert counts[1] == counts[4]
-    reads = [c for c in counts[4] if c.startswith(("train.loop.", "train.throughput."))]
+    reads = [c for c in counts[4] if c.startswith(("train.loop.", "train.step.", "train.throughput."))]
     assert len(reads) == 2, reads  # after the first step (warm-up out of steady tokens/s) and at step 4
 
 

@@ -282,7 +282,8 @@ def test_check_model_accepts_the_families(family):
 def test_validate_refuses_before_any_stage(tmp_path):
     """`optimize validate` runs the exporter's check on the model's config: a BLOOM (ALiBi)
     pipeline targeting ExecuTorch is refused with the reason, before weights are loaded."""
-    from optimize.config import load_config, model_problems
+    from optimize.config import load_config
+    from optimize.config_checks import model_problems
 
     cfg = load_config({"version": 1, "name": "t", "model": {"source": "random", "config": {
         "model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 49152}},
@@ -295,7 +296,8 @@ def test_profile_max_seq_len_reaches_the_exporter(tmp_path):
     """A custom profile's max_seq_len is the exporter's default; the YAML's export block wins."""
     import yaml
 
-    from optimize.config import export_options, load_config
+    from optimize.config import load_config
+    from optimize.config_checks import export_options
     from targets import load_target
     from targets.profile import PROFILE_DIR
 

@@ -170,7 +170,8 @@ def test_rmsnorm_rewrite_removes_only_the_layernorm_problem():
 
 def test_validate_refuses_before_any_stage(tmp_path):
     """The pipeline's pre-flight (optimize validate) reports the exporter's refusal with the fix."""
-    from optimize.config import load_config, model_problems
+    from optimize.config import load_config
+    from optimize.config_checks import model_problems
 
     cfg = load_config({"version": 1, "name": "t", "target": "torchchat", "output_dir": str(tmp_path),
                        "model": {"source": "random", "config": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2,
@@ -295,7 +296,8 @@ def test_failed_export_leaves_the_previous_directory_whole(smollm2_tokenizer, tm
 
 def test_max_seq_len_defaults_to_the_profiles(tmp_path):
     """The pipeline fills export.torchchat.max_seq_len from the target profile; the YAML wins."""
-    from optimize.config import export_options, load_config
+    from optimize.config import load_config
+    from optimize.config_checks import export_options
     from targets import load_target
 
     profile = load_target("torchchat")

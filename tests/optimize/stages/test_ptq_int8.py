@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from optimize.stage_api import StageContext, get_stage
-from optimize.stages._select import matches, resolve_patterns, select_modules
+from optimize.module_select import matches, resolve_patterns, select_modules
 from optimize.stages.ptq_int8 import Ptq8Config
 
 

@@ -67,7 +67,8 @@ def test_defaults_and_selection():
 def test_the_executorch_export_gets_its_scoring_method_exactly_when_tasks_score_it(tiny_cfg):
     import copy
 
-    from optimize.config import export_options, load_config
+    from optimize.config import load_config
+    from optimize.config_checks import export_options
     from targets.profile import load_target
 
     profile = load_target("executorch")

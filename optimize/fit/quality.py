@@ -1,6 +1,6 @@
 """Measured accuracy for ``optimize fit``'s finalists, so the winner is chosen by a perplexity, not a guess.
 
-Bytes price every recipe in milliseconds (:mod:`optimize.fit`); the ones that fit the device go on
+Bytes price every recipe in milliseconds (:mod:`optimize.fit.search`); the ones that fit the device go on
 here, best-looking first. Each is applied to a copy of the model exactly as the ExecuTorch exporter
 applies it (``export.executorch.quant.apply_quantization``: torchao's 8da8w / 8da4w Linear layers, the
 ``lm_head`` choice, the embedding table's weight-only int8/int4), so the weights measured are the
@@ -8,7 +8,7 @@ weights the ``.pte`` would hold; perplexity is taken in eager PyTorch on the fir
 of the pipeline's own eval split (``data``). That short eval ranks the recipes; the full figure, in
 the runtime, comes from running the ``fit.yaml`` it writes. Stages of the YAML that do not quantize
 (distillation, rewrites) are not run here: the recipes are measured on the model after the ones a run
-of the YAML already finished (:mod:`optimize.fit_stages`), else on the model as loaded.
+of the YAML already finished (:mod:`optimize.fit.stages`), else on the model as loaded.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Callable, Sequence
 def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, windows: int,
                       log: Callable[[str], None] = lambda m: None, after: Sequence[Any] = (),
                       baseline: float | None = None) -> dict:
-    """Set ``perplexity`` and ``perplexity_delta_pct`` on each of ``rows`` (:class:`optimize.fit.Priced`);
+    """Set ``perplexity`` and ``perplexity_delta_pct`` on each of ``rows`` (:class:`optimize.footprint.price.Priced`);
     returns what was measured (baseline perplexity, the unquantized model's as ``model_perplexity``,
     windows, tokens, on which model). ``after``: the finished stage checkpoints to start from
-    (:func:`optimize.fit_stages.finished`, or a depth's healed run); ``baseline``: the perplexity the
+    (:func:`optimize.fit.stages.finished`, or a depth's healed run); ``baseline``: the perplexity the
     changes are against (default: this model's unquantized one; a pruned model's is the unpruned's)."""
     import torch
 
@@ -35,7 +35,7 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
 
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
-    from optimize import fit_stages
+    from optimize.fit import stages as fit_stages
 
     model, tokenizer = fit_stages.load_measured(cfg, list(after))
     wins = eval_windows(split_data(cfg.data, tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]

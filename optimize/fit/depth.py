@@ -19,7 +19,7 @@ Each depth runs once per fit in ``<out>/depth/<n>/`` through :func:`optimize.pip
 (no export), with every gate set to warn so that a heal that misses the YAML's gate still yields a
 model to measure (the gates are judged where they belong: fit's ``max_ppl_pct`` on the quantized
 result, and ``fit.yaml``'s own run). A re-run of fit resumes those runs; the winner's checkpoints
-are hard-linked into ``fit.yaml``'s run directory (:func:`optimize.fit_stages.link_into`, the
+are hard-linked into ``fit.yaml``'s run directory (:func:`optimize.fit.stages.link_into`, the
 checkpoint names hash the same stages), so ``optimize pipeline fit.yaml`` starts at the export.
 """
 
@@ -111,7 +111,7 @@ def heal(cfg: Any, depth: int, heal_steps: int, out_dir: Path, *, progress: bool
     """Run the prune and heal stages, then the YAML's kept stages, on ``cfg``'s model (no export,
     every gate warning) in ``out_dir``; resumes what an earlier fit finished there."""
     from optimize import checkpoints as ckpt
-    from optimize import fit_stages
+    from optimize.fit import stages as fit_stages
     from optimize.config import dump_config, load_config
     from optimize.pipeline import run_pipeline
 

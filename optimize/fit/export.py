@@ -1,12 +1,12 @@
 """``optimize fit --export-finalists K``: the K best finalists exported and measured in the runtime.
 
-The short eval (:mod:`optimize.fit_quality`) measures the exporter's own quantization of the weights
+The short eval (:mod:`optimize.fit.quality`) measures the exporter's own quantization of the weights
 in eager PyTorch: the same weights, not the same kernels. Here the best ``K`` recipes that fit are
 lowered exactly as ``fit.yaml`` would lower them (``export.executorch`` with the recipe's block and
 ``max_seq_len``), then measured through ExecuTorch: the artifact's bytes as written, perplexity on
 the same eval windows (the runtime's own arithmetic: XNNPACK's int8 kernels round differently from
 torchao's reference), the host's decode rate with ``checks.latency``'s prompt, length and threads,
-and the device's decode PREDICTED from that rate (:func:`optimize.predict.predict`). The winner is
+and the device's decode PREDICTED from that rate (:func:`optimize.footprint.predict.predict`). The winner is
 then chosen among the exported recipes by their runtime perplexity. Each artifact stays under
 ``<out>/finalists/<n>/`` for inspection; ``fit.yaml`` still exports the winner again in its own run
 with the pipeline's gates.
@@ -22,16 +22,16 @@ from typing import Any, Callable, Sequence
 
 def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, *, windows: int, seq_len: int,
                      baseline: float, after: Sequence[Path] = (), log: Callable[[str], None] = lambda m: None) -> dict:
-    """Export each of ``rows`` (:class:`optimize.fit_price.Priced`, best first) and set its ``runtime``
+    """Export each of ``rows`` (:class:`optimize.footprint.price.Priced`, best first) and set its ``runtime``
     figures; ``windows`` eval windows of ``seq_len`` tokens (the short eval's), perplexity change
     against ``baseline`` (the short eval's fp32 figure). Returns what was measured."""
     import torch
 
     from export.executorch import ExecuTorchExporter
-    from optimize import fit_stages
+    from optimize.fit import stages as fit_stages
     from optimize.checks.accuracy import eval_windows, evaluate
     from optimize.checks.latency import measure_latency
-    from optimize.predict import bytes_by_scheme, predict, weight_bytes_per_token
+    from optimize.footprint.predict import bytes_by_scheme, predict, weight_bytes_per_token
     from targets.devices import host_bandwidth
     from train.corpus import split_data
 
@@ -77,12 +77,12 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
 
 def predict_from_nearest(row: Any, exported: Sequence[Any], device: Any, config: Any) -> dict | None:
     """Decode of a measured recipe that was not exported, PREDICTED from the exported recipe whose
-    bytes are read at the most alike precisions (:func:`optimize.predict.nearest_source`): that
+    bytes are read at the most alike precisions (:func:`optimize.footprint.predict.nearest_source`): that
     recipe's measured fraction of the host's bandwidth ceiling, over this recipe's bytes per token,
     on the host and on ``device``. ``config``: the model's (pruned to the row's depth). None where no
     exported recipe has the figures."""
-    from optimize.memory import kv_cache_bytes
-    from optimize.predict import DevicePrediction, nearest_source, precision_overlap
+    from optimize.footprint.memory import kv_cache_bytes
+    from optimize.footprint.predict import DevicePrediction, nearest_source, precision_overlap
 
     common = dict(device=device.name, kind=device.kind, usable_memory_bytes=device.usable_bytes,
                   storage_bytes=device.storage_bytes, device_bandwidth_gb_s=device.bandwidth.practical_gb_s)

@@ -114,7 +114,7 @@ def test_finalists_are_measured_and_the_lowest_perplexity_wins(tiny_cfg, tmp_pat
 
 
 def test_every_finalist_over_the_perplexity_budget_is_a_refusal(tiny_cfg, tmp_path, monkeypatch):
-    import optimize.fit_quality as fq
+    import optimize.fit.quality as fq
 
     def lossy(cfg, rows, **kw):
         for r in rows:
@@ -201,7 +201,7 @@ def test_the_best_finalists_are_exported_and_measured_in_the_runtime(tiny_cfg, t
     assert sum("fit: exported" in m for m in lines) == 2
     # the third finalist was not exported: its decode is PREDICTED from the exported recipe whose bytes
     # are read at the most alike precisions, with that recipe's measured fraction of the ceiling
-    from optimize.predict import DevicePrediction, precision_overlap
+    from optimize.footprint.predict import DevicePrediction, precision_overlap
 
     def mix(weights):
         return DevicePrediction(device="d", kind="host", usable_memory_bytes=1, storage_bytes=1,

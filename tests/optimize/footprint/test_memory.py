@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimize.memory import MemoryFootprint, footprint, kv_cache_bytes, kv_shapes, predicted_peak
+from optimize.footprint.memory import MemoryFootprint, footprint, kv_cache_bytes, kv_shapes, predicted_peak
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
@@ -79,7 +79,7 @@ def test_peak_rss_of_a_tiny_onnx_artifact_in_a_child(onnx_export, how):
     size = runner.size_bytes()
     runner.close()
     artifact = res.artifact if how == "onnxruntime" else res.artifact.parent
-    from optimize.predict import packed_copy_bytes
+    from optimize.footprint.predict import packed_copy_bytes
 
     packed = packed_copy_bytes(size, model.config, res.details, how, tied=True)
     assert packed == 49152 * 64 * 4  # the tied fp32 table's transposed copy for lm_head
@@ -93,7 +93,7 @@ def test_peak_rss_of_a_tiny_pte_in_a_child(tmp_path):
     """A tiny fp32 .pte (about 20 s to lower): XNNPACK packs lm_head's copy of the table at load, so
     the artifact's part is the .pte plus the weights a token reads."""
     from export.executorch.exporter import ExecuTorchExporter
-    from optimize.predict import packed_copy_bytes, weight_bytes_per_token
+    from optimize.footprint.predict import packed_copy_bytes, weight_bytes_per_token
     from tests.export.conftest import TINY_LLAMA
     from train.sources import RandomSource, load_model
 
@@ -126,10 +126,10 @@ def test_a_child_that_fails_says_why(tmp_path):
 def test_a_table_stored_once_saves_storage_not_memory(tmp_path):
     """8da8w with an int8 table, tied, as one .pte and with ``weights: external`` (model.ptd holds the
     table once): the artifact shrinks by the table, the measured peak does not, and the memory
-    model (the table counted once more for the lookup, optimize.predict.packed_copy_bytes) follows the
+    model (the table counted once more for the lookup, optimize.footprint.predict.packed_copy_bytes) follows the
     measurement. A wide table (49152 x 256, int8 12 MiB) so that its copy shows over the noise."""
     from export.executorch.exporter import ExecuTorchExporter
-    from optimize.predict import packed_copy_bytes
+    from optimize.footprint.predict import packed_copy_bytes
     from tests.export.conftest import TINY_LLAMA
     from train.sources import RandomSource, load_model
 

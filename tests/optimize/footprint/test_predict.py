@@ -12,8 +12,8 @@ import yaml
 from optimize.cli import main
 from optimize.config import load_config
 from optimize.errors import ConfigError
-from optimize.memory import MemoryFootprint
-from optimize.predict import device_gates, predict, weight_bytes_per_token
+from optimize.footprint.memory import MemoryFootprint
+from optimize.footprint.predict import device_gates, predict, weight_bytes_per_token
 from device_files import device_file
 from targets.devices import load_device
 
@@ -166,7 +166,7 @@ def test_export_rows_report_memory_and_a_device_that_does_not_fit_fails_with_fig
 
 
 def test_one_recipes_efficiency_predicts_anothers_decode():
-    from optimize.predict import DevicePrediction, predict_from_another
+    from optimize.footprint.predict import DevicePrediction, predict_from_another
 
     common = dict(device="host", kind="host", usable_memory_bytes=2**33, storage_bytes=2**35, device_bandwidth_gb_s=10.0)
     src = DevicePrediction(**common, host_bandwidth_gb_s=10.0, host_fraction_of_ceiling=0.5,
@@ -183,7 +183,7 @@ def test_the_nearest_source_is_the_most_alike_precision_mix():
     """The bench's three SmolLM2 recipes (MiB per token by precision): the demo (int4 body, int8 head)
     is nearest to the int4 body with an fp32 head, not to the int8 one; a source without a measured
     fraction is never chosen; without the split there is no overlap."""
-    from optimize.predict import DevicePrediction, nearest_source, precision_overlap
+    from optimize.footprint.predict import DevicePrediction, nearest_source, precision_overlap
 
     common = dict(device="host", kind="host", usable_memory_bytes=2**33, storage_bytes=2**35, device_bandwidth_gb_s=10.0)
 
@@ -211,7 +211,7 @@ def test_bytes_by_scheme_reads_the_exported_graph_record(tiny_llama_config):
     no split."""
     from transformers import AutoConfig
 
-    from optimize.predict import bytes_by_scheme
+    from optimize.footprint.predict import bytes_by_scheme
 
     config = AutoConfig.for_model(**tiny_llama_config)
     h, v, inter, layers = (tiny_llama_config[k] for k in ("hidden_size", "vocab_size", "intermediate_size",

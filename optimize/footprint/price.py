@@ -5,14 +5,14 @@ A recipe is the ExecuTorch exporter's own quantization (``export.executorch``: `
 beside an int4 MLP), ``lm_head`` same / 8da8w / fp32, ``embedding_quantize`` int8 / int4 / none), where the weights live (``weights``: one ``.pte``, or ``external`` for a tied model whose table
 and lm_head then hold identical bytes, which ``model.ptd`` stores once) and the KV cache's length
 (``max_seq_len``), and with ``optimize fit --depths`` how many decoder blocks are kept (``depth``:
-pruned and healed, :mod:`optimize.fit_depth`; its meta model is the pruned config's). A meta-device
+pruned and healed, :mod:`optimize.fit.depth`; its meta model is the pruned config's). A meta-device
 model gives the shapes; each recipe is priced as:
 
 - ``artifact_bytes``: every Linear at its precision, the embedding table at its own (a tied table is
   stored twice in a single ``.pte``: the lookup and lm_head; once in ``model.ptd`` when both are fp32,
   or the table int8 and lm_head 8da8w: ``export.executorch.exporter.SHARED_PAIRS``), the rest fp32;
 - ``memory_bytes``: the artifact + XNNPACK's packed copy of the weights a token reads + the KV cache at
-  ``max_seq_len`` + one call's logits: the memory model :mod:`optimize.memory` checks against a measured
+  ``max_seq_len`` + one call's logits: the memory model :mod:`optimize.footprint.memory` checks against a measured
   peak (about 2% off for a tiny ``.pte``, 7-12% over for SmolLM2's shape), without an interpreter (an
   app embeds the C++ runtime). The artifact counted is the single ``.pte``'s even under ``weights:
   external``: the table stored once measured the same peak as stored twice (docs/devices.md);
@@ -59,23 +59,23 @@ class Priced:
     max_seq_len: int = 0
     weights: str = "embedded"
     attention: str = "same"
-    #: decoder blocks kept by depth pruning and healing (optimize.fit_depth); None: every block
+    #: decoder blocks kept by depth pruning and healing (optimize.fit.depth); None: every block
     depth: int | None = None
     fits: bool = False
     #: largest ratio of what the recipe needs to a budget (<= 1 when it fits); ranks refusals
     miss: float = 0.0
     pareto: bool = False
     why_not: str = ""
-    #: measured on a short eval (optimize.fit_quality) for the finalists; None where not measured
+    #: measured on a short eval (optimize.fit.quality) for the finalists; None where not measured
     perplexity: float | None = None
     perplexity_delta_pct: float | None = None
-    #: exported and measured in ExecuTorch (optimize.fit_export, --export-finalists); None where not
+    #: exported and measured in ExecuTorch (optimize.fit.export, --export-finalists); None where not
     runtime: dict | None = None
     #: the Linear bytes a token reads by the scheme that computes them (fp32 / 8da8w / 8da4w), as an
-    #: export row records them: what optimize.predict.nearest_source compares
+    #: export row records them: what optimize.footprint.predict.nearest_source compares
     weight_bytes_by_scheme: dict[str, int] | None = None
     #: measured but not exported: decode PREDICTED from the nearest exported recipe's measured
-    #: efficiency (optimize.fit_export.predict_from_nearest); None where not
+    #: efficiency (optimize.fit.export.predict_from_nearest); None where not
     predicted_decode: dict | None = None
 
     @property
@@ -157,7 +157,7 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
           depth: int | None = None, blocks: int | None = None) -> Priced:
     """``config`` is the model's (pruned to ``depth`` blocks where given, of ``blocks`` originally)."""
     from export.executorch import is_attention
-    from optimize.memory import kv_cache_bytes
+    from optimize.footprint.memory import kv_cache_bytes
 
     linears, head, (vocab, hidden), tied = shapes or model_shapes(config)
     body, head_p, emb_p = _precisions(scheme, group_size, lm_head, embedding)

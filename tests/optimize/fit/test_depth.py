@@ -73,7 +73,7 @@ def test_a_depth_wins_when_only_it_meets_the_decode_budget(tiny_cfg, tiny_config
     checkpoints are linked so `optimize pipeline fit.yaml` resumes after them. A re-run of fit reuses
     the heal."""
     from optimize import checkpoints as ckpt
-    from optimize import fit_stages
+    from optimize.fit import stages as fit_stages
 
     tiny_cfg["model"]["config"] = tiny_config("llama", num_hidden_layers=4)
     tiny_cfg["stages"] = [{"kind": "ptq_int8", "scheme": "8da8w"}]

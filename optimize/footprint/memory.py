@@ -7,14 +7,14 @@ Three figures per export row (:class:`MemoryFootprint`, in ``Metrics.memory``):
   layers x 2 (K and V) x kv_heads x head_dim x max_seq_len x bytes of the cache dtype
   (:func:`kv_cache_bytes`; per-layer heads/head_dim where the config has them);
 - ``peak_rss_bytes``: the peak resident memory of a **child process** (``python -m
-  optimize.memory ARTIFACT ...``) that loads the artifact in its runtime, prefills ``max_seq_len -
+  optimize.footprint.memory ARTIFACT ...``) that loads the artifact in its runtime, prefills ``max_seq_len -
   decode`` tokens and decodes ``decode`` more (so the cache is full at the end), read from the
   kernel's high-water mark (``VmHWM``, reset after the imports where ``/proc/self/clear_refs``
   allows, else ``ru_maxrss``). Nothing of the pipeline's own process counts. The child's resident
   memory after importing torch and the runtime and before loading the artifact is reported apart
   (``interpreter_rss_bytes``): a phone app embedding the C++ runtime does not carry Python and
   torch, so ``peak_rss_bytes - interpreter_rss_bytes`` (``model_rss_bytes``) is what the artifact
-  adds, and what a device's usable memory is compared with (:mod:`optimize.predict`).
+  adds, and what a device's usable memory is compared with (:mod:`optimize.footprint.predict`).
 
 ``predicted_peak_rss_bytes`` is the simple model the measurement checks (:func:`predicted_peak`):
 interpreter + artifact + the backend's packed copy of the Linear weights + KV cache + the largest
@@ -114,7 +114,7 @@ def kv_cache_bytes(config: Any, max_seq_len: int, dtype: str = "float32", positi
 def predicted_peak(interpreter: int, artifact: int, kv: int, *, packed: int = 0, vocab: int | None = None,
                    logits_rows: int = 1, logits_copies: int = 1) -> int:
     """The memory model the measurement checks: the interpreter and runtime, the artifact resident
-    once, what the backend copies at load (``packed``, :func:`optimize.predict.packed_copy_bytes`:
+    once, what the backend copies at load (``packed``, :func:`optimize.footprint.predict.packed_copy_bytes`:
     XNNPACK's packed weights, ONNX Runtime's transposed tied table), the full KV cache, and the largest
     call's float32 logits (``logits_rows`` x ``vocab``, ``logits_copies`` times: how many the runtime
     and its bindings hold at once)."""
@@ -135,7 +135,7 @@ def measure_peak(artifact: Path, exporter: str, *, max_seq_len: int | None = Non
     """Run the child on ``artifact`` (``exporter`` is ``module:Class`` or a registered exporter name)
     and return its figures: ``peak_rss_bytes``, ``interpreter_rss_bytes``, ``prefill_tokens``,
     ``decode_tokens``, ``max_seq_len``, ``peak_source``, ``child_s``; or ``{"error": ...}``."""
-    cmd = [sys.executable, "-m", "optimize.memory", str(artifact), "--exporter", exporter,
+    cmd = [sys.executable, "-m", "optimize.footprint.memory", str(artifact), "--exporter", exporter,
            "--decode", str(decode_tokens), "--threads", str(threads)]
     if max_seq_len:
         cmd += ["--max-seq-len", str(max_seq_len)]
@@ -221,7 +221,7 @@ def _child(argv: list[str] | None = None) -> int:
     import gc
     import importlib
 
-    p = argparse.ArgumentParser(prog="python -m optimize.memory",
+    p = argparse.ArgumentParser(prog="python -m optimize.footprint.memory",
                                 description="peak resident memory of loading an artifact and running prefill + decode")
     p.add_argument("artifact")
     p.add_argument("--exporter", required=True, help="registered exporter name or module:Class")

@@ -1,7 +1,7 @@
 """An export row on a device it was not measured on: does it fit, and how fast would it decode?
 
 Memory is not predicted: the peak resident memory is **measured** on this host in a child process
-(:mod:`optimize.memory`), and what the artifact adds over the interpreter and runtime
+(:mod:`optimize.footprint.memory`), and what the artifact adds over the interpreter and runtime
 (``model_rss_bytes``) is compared with the device's usable memory; the artifact's bytes with the
 device's storage budget.
 
@@ -119,7 +119,7 @@ def weight_bytes_per_token(artifact_bytes: int, config: Any, details: dict, runt
 
 def packed_copy_bytes(artifact_bytes: int, config: Any, details: dict, runtime: str, tied: bool) -> int:
     """What the runtime holds beside the artifact's bytes once loaded, for the memory model
-    (:func:`optimize.memory.predicted_peak`): XNNPACK packs every delegated weight into its own
+    (:func:`optimize.footprint.memory.predicted_peak`): XNNPACK packs every delegated weight into its own
     layout (a .pte's weights read per token, again); ONNX Runtime replaces prepacked initializers but
     gives a tied fp32 table a transposed copy for lm_head. Measured: within 2% for a .pte (tiny
     Llama), about 6% for SmolLM2-135M fp32 in ONNX Runtime (docs/devices.md); a table stored once in
@@ -149,9 +149,9 @@ def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_b
             weight_bytes_by_scheme: dict[str, int] | None = None) -> DevicePrediction:
     """Put one export row's figures on ``device`` (a :class:`targets.devices.DeviceProfile`).
 
-    ``memory`` is the row's :class:`~optimize.memory.MemoryFootprint` (or None), ``host_bandwidth``
+    ``memory`` is the row's :class:`~optimize.footprint.memory.MemoryFootprint` (or None), ``host_bandwidth``
     bytes/s, ``weight_bytes`` from :func:`weight_bytes_per_token`."""
-    from optimize.memory import kv_cache_bytes
+    from optimize.footprint.memory import kv_cache_bytes
 
     dev_bw = device.bandwidth.practical_gb_s * 1e9
     p = DevicePrediction(device=device.name, kind=device.kind, usable_memory_bytes=device.usable_bytes,
@@ -197,7 +197,7 @@ def bytes_by_scheme(config: Any, details: dict) -> dict[str, int] | None:
     graph = (details.get("quantization") or {}).get("exported_linear") or {}
     if not graph.get("counts"):
         return None
-    from optimize.fit_price import model_shapes
+    from optimize.footprint.price import model_shapes
 
     linears = model_shapes(config)[0]
     scheme_of = {name: s for s, names in (graph.get("modules") or {}).items() for name in names}

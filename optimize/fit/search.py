@@ -1,16 +1,16 @@
 """``optimize fit``: search the recipes a device can hold, measure the finalists, write the winner.
 
-For a pipeline YAML's model every candidate recipe (:mod:`optimize.fit_price`: the ExecuTorch
+For a pipeline YAML's model every candidate recipe (:mod:`optimize.footprint.price`: the ExecuTorch
 exporter's quantization, ``weights: external`` for a tied table stored once, and each ``max_seq_len``
 asked for) is priced from bytes in milliseconds: artifact, memory, the PREDICTED decode ceiling and a
 heuristic quality order. The device's budgets rule recipes out; then the finalists (``finalists``
 distinct quantizations among the recipes that fit, best-looking first) get a measured perplexity on a
-short eval (:mod:`optimize.fit_quality`: the exporter's own quantization of the weights, eager
+short eval (:mod:`optimize.fit.quality`: the exporter's own quantization of the weights, eager
 PyTorch), shared by the recipes that differ only in storage or cache length. They are measured on the
 model after the YAML's leading stages that do not quantize, where a run of the YAML already finished
-them (:mod:`optimize.fit_stages`, which also links those checkpoints for ``fit.yaml``'s run).
+them (:mod:`optimize.fit.stages`, which also links those checkpoints for ``fit.yaml``'s run).
 With ``depths``, each decoder-block count is one more dimension: priced from its pruned config, and
-measured on the model pruned and healed as the pipeline would (:mod:`optimize.fit_depth`).
+measured on the model pruned and healed as the pipeline would (:mod:`optimize.fit.depth`).
 
 The winner: the longest ``max_seq_len`` at which a recipe fits (context is what the app was built
 for; a shorter cache is a way to fit, not a preference), then the lowest measured perplexity within
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import yaml
 
-from optimize import fit_plot, fit_stages
-from optimize.fit_price import Priced, candidates, model_shapes, price
+from optimize.fit import plot as fit_plot, stages as fit_stages
+from optimize.footprint.price import Priced, candidates, model_shapes, price
 from optimize.quiet import LogOutput
 
 MIB = 2**20
@@ -71,9 +71,9 @@ class FitResult:
     budgets: dict | None = None
     #: every cache length priced (max_seq_len: the YAML's)
     max_seq_lens: list[int] = field(default_factory=list)
-    #: stage checkpoints of the YAML's run linked into fit.yaml's run directory (optimize.fit_stages)
+    #: stage checkpoints of the YAML's run linked into fit.yaml's run directory (optimize.fit.stages)
     reused_stages: list[str] = field(default_factory=list)
-    #: decoder-block counts searched beside the full depth (optimize.fit_depth), and their heal's steps
+    #: decoder-block counts searched beside the full depth (optimize.fit.depth), and their heal's steps
     depths: list[int] = field(default_factory=list)
     heal_steps: int | None = None
 
@@ -162,10 +162,10 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
     (the model's position limit, its sliding windows) before anything is priced.
 
     ``export_finalists``: the best that many measured recipes that fit (distinct quantizations) are
-    also exported and measured in ExecuTorch (:mod:`optimize.fit_export`); the winner is then the
+    also exported and measured in ExecuTorch (:mod:`optimize.fit.export`); the winner is then the
     exported recipe with the lowest runtime perplexity within the budgets.
 
-    ``depths``: decoder-block counts to search beside the full depth (:mod:`optimize.fit_depth`):
+    ``depths``: decoder-block counts to search beside the full depth (:mod:`optimize.fit.depth`):
     each is priced from its pruned config; where one of its recipes is a finalist, the model is
     depth-pruned and healed by ``heal_steps`` distillation steps from the unpruned model (a
     pipeline run in ``<out_dir>/depth/<n>``, resumed by a re-run), and its quantizations are
@@ -174,8 +174,9 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
 
     Quiet unless ``progress``: the measurement's bars and library output go to ``fit.log`` in
     ``out_dir``; ``log`` gets one line per finalist either way."""
-    from optimize import fit_depth
-    from optimize.config import export_options, load_config, read_yaml
+    from optimize.fit import depth as fit_depth
+    from optimize.config import load_config, read_yaml
+    from optimize.config_checks import export_options
     from targets import load_target
     from targets.atomic import atomic_write_text
     from targets.devices import load_device
@@ -302,10 +303,10 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
 
 def _measure(chosen: list[Priced], sources: dict, out: Path, seq_len: int, windows: int, heal_steps: int,
              progress: bool, log) -> dict:
-    """Measure the finalists (optimize.fit_quality): the full-depth ones on the model after the
-    finished leading stages, each depth's after its prune and heal (optimize.fit_depth), which adds
+    """Measure the finalists (optimize.fit.quality): the full-depth ones on the model after the
+    finished leading stages, each depth's after its prune and heal (optimize.fit.depth), which adds
     that depth's source to ``sources``. Every perplexity change is against the unpruned model's."""
-    from optimize import fit_depth, fit_quality
+    from optimize.fit import depth as fit_depth, quality as fit_quality
 
     base_cfg, finished = sources[None]
     quality = fit_quality.measure_finalists(base_cfg, [r for r in chosen if r.depth is None], max_seq_len=seq_len,
@@ -324,11 +325,11 @@ def _measure(chosen: list[Priced], sources: dict, out: Path, seq_len: int, windo
 
 def _export_best(sources: dict, fitting: list[Priced], k: int, device, out: Path, quality: dict, seq_len: int,
                  budgets: dict, log, config) -> dict:
-    """Export the best ``k`` distinct quantizations of ``fitting`` (optimize.fit_export), each from
+    """Export the best ``k`` distinct quantizations of ``fitting`` (optimize.fit.export), each from
     its depth's model in ``sources``, and hold their runtime figures to the budgets: the runtime
     perplexity, the decode PREDICTED from the measured one. The other measured recipes get a decode
     PREDICTED from the nearest exported one (shown, not gated: no runtime measured them)."""
-    from optimize import fit_depth, fit_export
+    from optimize.fit import depth as fit_depth, export as fit_export
 
     best: dict[tuple, Priced] = {}
     for r in sorted(fitting, key=_rank):

@@ -1,0 +1,186 @@
+"""What ``optimize validate`` checks in a pipeline config beyond its types, before any stage runs.
+
+:func:`~optimize.config.load_config` runs these on every config it returns: files that must
+exist, stages that suit the target, each exporter's options merged over the target's defaults,
+the device profile against the target's runtime, the task rows and gates, and (reading the
+model's config, no weights) every stage and the exporter against the model as the stages before
+them leave it. ``cfg`` is always a validated :class:`~optimize.config.PipelineConfigBase`; this
+module does not import it, so that the schema can call the checks without a cycle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from optimize.errors import problems_from
+from train.sources import GGUFSource, HFSource
+
+
+def semantic_problems(cfg, check_files: bool = True) -> list[tuple[str, str]]:
+    """Checks that need more than types: files exist, stages suit the target, export options."""
+    from export.base import exporter_names, get_exporter
+    from targets import TargetError, load_target
+
+    problems: list[tuple[str, str]] = []
+    src = cfg.model
+    if check_files and isinstance(src, (HFSource, GGUFSource)) and not Path(src.path).exists():
+        problems.append(("model.path", f"not found: {src.path}"))
+    if check_files and isinstance(src, GGUFSource) and Path(src.path).is_dir():
+        problems.append(("model.path", f"{src.path} is a directory; a gguf source takes a .gguf file (use source: hf for a directory)"))
+    if check_files and cfg.data.corpus != "pydoc" and not Path(cfg.data.corpus).exists():
+        problems.append(("data.corpus", f"not found: {cfg.data.corpus} (use 'pydoc', a text file or a directory)"))
+
+    profile = None
+    if cfg.target is not None:
+        try:
+            profile = load_target(cfg.target)
+        except TargetError as exc:
+            problems.append(("target", str(exc)))
+    if profile is not None:
+        for i, stage in enumerate(cfg.stages):
+            scheme = stage.quant_scheme()
+            if scheme is not None:
+                why = profile.check_scheme(scheme)
+                if why:
+                    problems.append((f"stages.{i}", f"stage {stage.label(i)!r}: {why}"))
+
+    for name, options in cfg.export.items():
+        if name not in exporter_names():
+            problems.append((f"export.{name}", f"unknown exporter; available: {', '.join(exporter_names())}"))
+            continue
+        merged = dict(profile.export_options) if profile is not None and profile.exporter == name else {}
+        merged.update(options)
+        try:
+            get_exporter(name).options_model.model_validate(merged)
+        except ValidationError as exc:
+            problems.extend(problems_from(exc, merged, prefix=f"export.{name}"))
+        except ImportError as exc:
+            problems.append((f"export.{name}", f"exporter cannot load: {exc}"))
+    problems += _device_problems(cfg)
+    problems += _task_problems(cfg, check_files)
+    return problems
+
+
+def _device_problems(cfg) -> list[tuple[str, str]]:
+    """device_profile: a profile that loads, and that runs the target's runtime."""
+    if cfg.device_profile is None:
+        return []
+    from targets.devices import DeviceError, device_path, load_device
+
+    try:
+        if cfg.device_profile == "host":
+            device_path("host")  # measured at run time, not at validation
+            return []
+        device = load_device(cfg.device_profile)
+    except DeviceError as exc:
+        return [("device_profile", str(exc))]
+    if cfg.target is not None:
+        from targets import TargetError, load_target
+
+        try:
+            t = load_target(cfg.target)
+        except TargetError:
+            return []  # reported at target
+        why = device.check_target(t.name) and device.check_target(t.exporter)  # a custom target: by its exporter
+        if why:
+            return [("device_profile", why)]
+    return []
+
+
+def _task_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
+    """checks.tasks: rows that name no row of this run, task gates on unscored tasks, missing packages."""
+    tasks = cfg.checks.tasks
+    problems: list[tuple[str, str]] = []
+    gated = [("gates.tasks", cfg.gates.tasks)] + [(f"stages.{i}.gates.tasks", s.gates.tasks if s.gates else None)
+                                                  for i, s in enumerate(cfg.stages)]
+    for where, goals in gated:
+        missing = [t for t in goals or {} if t not in tasks.names]
+        if missing:
+            problems.append((where, f"gate on {', '.join(missing)}, which checks.tasks.names does not score "
+                             f"(it scores: {', '.join(tasks.names) or 'nothing'})"))
+        relative = [t for t, g in (goals or {}).items() if g.threshold is None]
+        if relative and tasks.names and "baseline" not in tasks.rows:
+            problems.append((where, f"{', '.join(relative)}: max_degradation / max_pct_degradation compare with "
+                             "the baseline, which checks.tasks.rows does not score (add 'baseline')"))
+    if not tasks.enabled:
+        return problems
+    labels = {x for i, s in enumerate(cfg.stages) for x in (s.label(i), s.kind, str(i), *([s.name] if s.name else []))}
+    for j, sel in enumerate(tasks.rows):
+        if isinstance(sel, int):
+            ok = 0 <= sel < len(cfg.stages)
+        else:
+            ok = sel in ("baseline", "export") or sel in labels
+        if not ok:
+            problems.append((f"checks.tasks.rows.{j}", f"{sel!r} names no row of this run; rows: baseline, "
+                             + ", ".join(s.label(i) for i, s in enumerate(cfg.stages)) + ", export"))
+    if "export" in tasks.rows and cfg.target is None and "rows" in tasks.model_fields_set:
+        problems.append(("checks.tasks.rows", "'export' is selected but the run has no target, so nothing is exported"))
+    if check_files:
+        from optimize.tasks.data import missing_packages
+
+        problems += [("checks.tasks", msg) for msg in missing_packages()]
+    return problems
+
+
+def model_problems(cfg, model_config: Any = None) -> list[tuple[str, str]]:
+    """What the model's transformers config shows against the stages and the target.
+
+    Each stage checks the config as the stages before it leave it (``StageConfig.check_model``
+    then ``planned_config``), then the exporter checks the final one (``Exporter.check_model``).
+    ``model_config`` defaults to the source's config read without weights; the pipeline passes
+    the loaded model's. Nothing here loads weights or runs a stage.
+    """
+    import copy
+
+    from export.base import get_exporter
+    from targets import TargetError, load_target
+    from train.sources import ModelSourceError, peek_config
+
+    if model_config is None:
+        try:
+            model_config = peek_config(cfg.model)
+        except ModelSourceError as exc:
+            return [("model", str(exc))]
+    try:
+        profile = load_target(cfg.target) if cfg.target else None
+    except TargetError as exc:
+        return [("target", str(exc))]
+    problems: list[tuple[str, str]] = []
+    config = copy.deepcopy(model_config)
+    for i, stage in enumerate(cfg.stages):
+        try:
+            msgs = stage.check_model(config, profile)
+            config = stage.planned_config(config)
+        except Exception as exc:  # a check that cannot run is a problem to report, not a traceback
+            problems.append((f"stages.{i}", f"stage {stage.label(i)!r}: its pre-flight check failed on this model "
+                             f"({type(exc).__name__}: {exc})"))
+            return problems
+        problems += [(f"stages.{i}", f"stage {stage.label(i)!r}: {msg}") for msg in msgs]
+    if profile is not None:
+        try:
+            options = export_options(cfg, profile.exporter, profile)
+            msgs = get_exporter(profile.exporter).check_model(config, options)
+        except Exception as exc:
+            msgs = [f"its pre-flight check failed on this model ({type(exc).__name__}: {exc})"]
+        problems += [("target", f"{profile.name} ({profile.exporter} exporter): {msg}") for msg in msgs]
+    return problems
+
+
+def export_options(cfg, exporter_name: str, profile) -> Any:
+    """The exporter's validated options: target defaults, then the YAML's export block."""
+    from export.base import get_exporter
+
+    options_model = get_exporter(exporter_name).options_model
+    merged = dict(profile.export_options) if profile is not None else {}
+    # an exporter whose options say so takes the profile's max_seq_len as its default
+    # (a custom profile's included)
+    if profile is not None and getattr(options_model, "max_seq_len_from_profile", False):
+        merged.setdefault("max_seq_len", profile.max_seq_len)
+    merged.update(cfg.export.get(exporter_name, {}))
+    options = options_model.model_validate(merged)
+    # options that depend on the rest of the run (ExecuTorch's scoring method on checks.tasks)
+    for_run = getattr(options, "for_run", None)
+    return for_run(cfg, f"export:{profile.name if profile is not None else exporter_name}") if for_run else options
