@@ -13,6 +13,7 @@ from collections import Counter
 import torch
 
 from export.base import ExportError
+from export.group_offset import GroupOffsetLinear
 
 
 def linear_scheme(weight: torch.Tensor) -> str:
@@ -40,8 +41,6 @@ def quantization_mix(model: torch.nn.Module) -> dict[str, int]:
     """How many nn.Linear layers hold each scheme (for the report and the manifest); the small
     offset Linears of a kept source grid (:class:`~export.group_offset.GroupOffsetLinear`) are
     counted apart, as ``offset <scheme>``."""
-    from export.group_offset import GroupOffsetLinear
-
     offsets = {f"{n}.offset" for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear)}
     return dict(Counter(f"offset {s}" if n in offsets else s for n, s in module_schemes(model).items()))
 

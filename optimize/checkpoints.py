@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from targets.atomic import atomic_dir
+from train.weight_files import unsafe_pickle_reason
 
 COMPLETE = "COMPLETE"
 _REDO = "delete {path} to run that stage again, or set resume: false"
@@ -96,8 +97,6 @@ def load_stage(path: Path, restores: list[Callable[[torch.nn.Module], None]]) ->
 
 def _read_state(file: Path) -> dict:
     """``torch.load(weights_only=True)``: a pickle that asks for code is refused, never run."""
-    from train.weight_files import unsafe_pickle_reason
-
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:

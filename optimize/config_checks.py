@@ -15,15 +15,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from export.base import exporter_names, get_exporter
 from optimize.errors import problems_from
-from train.sources import GGUFSource, HFSource
+from optimize.tasks.data import missing_packages
+from targets import TargetError, load_target
+from targets.devices import DeviceError, device_path, load_device
+from train.sources import GGUFSource, HFSource, ModelSourceError, peek_config
 
 
 def semantic_problems(cfg, check_files: bool = True) -> list[tuple[str, str]]:
     """Checks that need more than types: files exist, stages suit the target, export options."""
-    from export.base import exporter_names, get_exporter
-    from targets import TargetError, load_target
-
     problems: list[tuple[str, str]] = []
     src = cfg.model
     if check_files and isinstance(src, (HFSource, GGUFSource)) and not Path(src.path).exists():
@@ -68,8 +69,6 @@ def _device_problems(cfg) -> list[tuple[str, str]]:
     """device_profile: a profile that loads, and that runs the target's runtime."""
     if cfg.device_profile is None:
         return []
-    from targets.devices import DeviceError, device_path, load_device
-
     try:
         if cfg.device_profile == "host":
             device_path("host")  # measured at run time, not at validation
@@ -78,8 +77,6 @@ def _device_problems(cfg) -> list[tuple[str, str]]:
     except DeviceError as exc:
         return [("device_profile", str(exc))]
     if cfg.target is not None:
-        from targets import TargetError, load_target
-
         try:
             t = load_target(cfg.target)
         except TargetError:
@@ -119,8 +116,6 @@ def _task_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
     if "export" in tasks.rows and cfg.target is None and "rows" in tasks.model_fields_set:
         problems.append(("checks.tasks.rows", "'export' is selected but the run has no target, so nothing is exported"))
     if check_files:
-        from optimize.tasks.data import missing_packages
-
         problems += [("checks.tasks", msg) for msg in missing_packages()]
     return problems
 
@@ -134,10 +129,6 @@ def model_problems(cfg, model_config: Any = None) -> list[tuple[str, str]]:
     the loaded model's. Nothing here loads weights or runs a stage.
     """
     import copy
-
-    from export.base import get_exporter
-    from targets import TargetError, load_target
-    from train.sources import ModelSourceError, peek_config
 
     if model_config is None:
         try:
@@ -171,8 +162,6 @@ def model_problems(cfg, model_config: Any = None) -> list[tuple[str, str]]:
 
 def export_options(cfg, exporter_name: str, profile) -> Any:
     """The exporter's validated options: target defaults, then the YAML's export block."""
-    from export.base import get_exporter
-
     options_model = get_exporter(exporter_name).options_model
     merged = dict(profile.export_options) if profile is not None else {}
     # an exporter whose options say so takes the profile's max_seq_len as its default

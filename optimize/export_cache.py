@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import export
 from targets.atomic import atomic_write_json, sha256_file
 
 CACHE_VERSION = 1
@@ -36,8 +37,6 @@ def toolchain_versions() -> dict[str, str | None]:
 
 def _exporter_source_digest() -> str:
     """Hash of the ``export`` package's code: an edited exporter must not reuse old artifacts."""
-    import export
-
     h = hashlib.sha256()
     root = Path(export.__file__).parent
     for f in sorted(root.rglob("*.py")):

@@ -14,23 +14,25 @@ from pathlib import Path
 
 import torch
 
+from export.base import ExportResult, get_exporter
 from optimize import export_cache
 from optimize.config import PipelineConfigBase
 from optimize.config_checks import export_options
-from optimize.gates_config import GatesConfig, MetricGoal
+from optimize.footprint.memory import MemoryFootprint, footprint
+from optimize.footprint.predict import bytes_by_scheme, device_gates, packed_copy_bytes, predict, weight_bytes_per_token
+from optimize.gates_config import GateResult, GatesConfig, MetricGoal
 from optimize.measure import RunState, checks_key, measure_runner, score_row_tasks
 from optimize.progress import current_hub
 from optimize.report import Report, StageRow
 from optimize.resources import PeakMemory
 from optimize.rows import record_error, record_gated
+from targets.devices import host_bandwidth, load_device
 
 log = logging.getLogger("optimize")
 
 
 def export_rows(state: RunState, model: torch.nn.Module, report: Report) -> None:
     """Export (or reuse a cached export of) the final model; one gated row per artifact."""
-    from export.base import get_exporter
-
     cfg, profile = state.cfg, state.profile
     exporter = get_exporter(profile.exporter)
     options = export_options(cfg, profile.exporter, profile)
@@ -101,8 +103,6 @@ def _result_to_cache(result) -> dict:
 
 
 def _result_from_cache(d: dict):
-    from export.base import ExportResult
-
     return ExportResult(artifact=Path(d["artifact"]), files=[Path(f) for f in d["files"]], details=d["details"],
                         extra_artifacts={k: Path(v) for k, v in d["extra_artifacts"].items()},
                         extra_details=d.get("extra_details", {}))
@@ -145,9 +145,6 @@ def _measure_memory(state: RunState, model: torch.nn.Module, exporter, path: Pat
                     artifact_bytes: int | None, max_seq_len: int | None):
     """The row's memory: artifact and KV-cache bytes, and the peak RSS of a child process that loads
     the artifact and runs a prefill of the cache's length plus decode steps (optimize/footprint/memory.py)."""
-    from optimize.footprint.memory import footprint
-    from optimize.footprint.predict import packed_copy_bytes
-
     cfg, profile = state.cfg, state.profile
     options = export_options(cfg, profile.exporter, profile)
     dtype = str(getattr(options, "dtype", "float32") or "float32").removeprefix("torch.")
@@ -160,8 +157,6 @@ def _measure_memory(state: RunState, model: torch.nn.Module, exporter, path: Pat
                        kv_dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "float32",
                        packed_bytes=packed, threads=cfg.checks.latency.threads)
     except Exception as exc:  # a measurement that cannot run is recorded, never the export's failure
-        from optimize.footprint.memory import MemoryFootprint
-
         fp = MemoryFootprint(artifact_bytes=artifact_bytes, error=f"{type(exc).__name__}: {exc}")
     if fp.error:
         state.say(f"{row.name}: peak memory not measured: {fp.error}")
@@ -172,8 +167,6 @@ def _load_device(cfg: PipelineConfigBase, report: Report):
     """The run's device profile (None without one), recorded in the report."""
     if cfg.device_profile is None:
         return None
-    from targets.devices import load_device
-
     device = load_device(cfg.device_profile)
     report.device_profile = device.model_dump(mode="json")
     return device
@@ -181,8 +174,6 @@ def _load_device(cfg: PipelineConfigBase, report: Report):
 
 def _device_gates_or_error(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
     """:func:`_device_gates`, or one failed gate naming why the device check could not run."""
-    from optimize.gates_config import GateResult
-
     try:
         return _device_gates(state, device, model, row)
     except Exception as exc:
@@ -194,9 +185,6 @@ def _device_gates_or_error(state: RunState, device, model: torch.nn.Module, row:
 def _device_gates(state: RunState, device, model: torch.nn.Module, row: StageRow) -> list:
     """The row on the device: memory and storage fit (measured figures) and the PREDICTED decode rate,
     into ``row.metrics.device``; returns the device's gate results."""
-    from optimize.footprint.predict import bytes_by_scheme, device_gates, predict, weight_bytes_per_token
-    from targets.devices import host_bandwidth
-
     m, lat = row.metrics, state.cfg.checks.latency
     mem = m.memory
     artifact = mem.artifact_bytes if mem is not None else (int(m.size_mb * 2**20) if m.size_mb else None)

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from optimize.losses import DistillLoss
+from optimize.prune.records import sparse_masks
 from targets.config_base import Strict
 from train.config import (
     BatchConfig,
@@ -39,6 +40,7 @@ from train.config import (
     PrecisionConfig,
     ScheduleConfig,
 )
+from train.loop import train
 from train.step import causal_lm_loss
 
 
@@ -170,8 +172,6 @@ def train_in_place(
     training finishes. Otherwise the loop's scratch directory is temporary. ``masks`` (by
     parameter name) keep those weights' zeros: their gradients are masked, then re-applied.
     ``on_step`` gets the loop's metrics row of every step (see :func:`train.loop.train`)."""
-    from train.loop import train
-
     check_tokens(train_ids, seq_len, batch.effective_per_rank, who)
     persistent = resume_dir is not None and checkpoint_every > 0
     config = getattr(model, "config", None)
@@ -300,8 +300,6 @@ def finetune(
     keyed by the config, seed, model and teacher) and a re-run resumes from it. ``progress`` is a
     stage's ``ctx.progress``: it gets a ``train`` phase (begin, one event per step with the loss,
     tokens/s, lr and peak memory, end), which draws the bar and feeds ``run_pipeline``'s callback."""
-    from optimize.prune.records import sparse_masks
-
     built = None
     if loss_fn is None and cfg.loss == "distill":
         if teacher is None:

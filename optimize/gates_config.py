@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from optimize.tasks.config import TASK_NAMES
 from targets.config_base import Strict
 
 #: metric name -> (higher is better, unit, comparable to the baseline)
@@ -60,8 +61,6 @@ class GatesConfig(Strict):
     @field_validator("tasks")
     @classmethod
     def _known_tasks(cls, tasks):
-        from optimize.tasks.config import TASK_NAMES
-
         unknown = [t for t in tasks or {} if t not in TASK_NAMES]
         if unknown:
             raise ValueError(f"unknown task {', '.join(map(repr, unknown))}; allowed: {', '.join(TASK_NAMES)}")

@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.chunked_loss import chunked_kl_to_teacher
+from train.lm_head import ChunkedLossError, lm_hidden_and_head
+from train.model_parts import decoder_blocks
+
 
 def _logits(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
@@ -45,8 +49,6 @@ class _BlockOutputs:
     loss already used (the first output of each forward is kept until :meth:`clear`)."""
 
     def __init__(self, model: nn.Module, indices: list[int]):
-        from train.model_parts import decoder_blocks
-
         blocks = [m for _, m in decoder_blocks(model)]
         bad = [i for i in indices if not 0 <= i < len(blocks)]
         if bad:
@@ -112,9 +114,6 @@ class DistillLoss:
         """``(1 - alpha) * T^2 * KL + alpha * CE`` on this batch."""
         ids, labels = batch["input_ids"], batch["labels"]
         if self._chunked(model):
-            from train.chunked_loss import chunked_kl_to_teacher
-            from train.lm_head import ChunkedLossError, lm_hidden_and_head
-
             try:
                 with torch.no_grad():
                     t_hidden, t_head = lm_hidden_and_head(self.teacher, ids)

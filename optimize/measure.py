@@ -18,11 +18,13 @@ import torch
 
 from export.runtime import EagerRunner, Runner
 from export.verify import greedy_match, logits_parity
+from optimize.checks import baseline_cache
 from optimize.checks.accuracy import BaselineLogits, evaluate
 from optimize.checks.latency import measure_latency, torch_threads
 from optimize.checks.size import parameter_count, serialized_bytes
 from optimize.config import PipelineConfigBase
 from optimize.report import Metrics, StageRow
+from optimize.tasks.evaluate import evaluate_tasks
 
 MIB = 1024 * 1024
 
@@ -52,8 +54,6 @@ def measure_baseline(state: RunState, model: torch.nn.Module) -> tuple[Metrics, 
     or, with ``checks.baseline_cache``, the accuracy an earlier run measured on the very same
     model and text (:mod:`optimize.checks.baseline_cache`); latency is always measured. Returns
     the metrics and what the cache did (empty when it is off)."""
-    from optimize.checks import baseline_cache
-
     cfg = state.cfg
     if not (cfg.checks.accuracy and cfg.checks.baseline_cache):
         return measure_eager(state, model, keep_baseline=True, timed=True), {}
@@ -151,8 +151,6 @@ def greedy_compare(eager: Runner, runner: Runner, state: RunState) -> dict:
 def score_tasks(state: RunState, runner: Runner, details: dict, model: torch.nn.Module | None = None) -> dict:
     """checks.tasks on one row, in the runner's runtime: ``{task: TaskScore}``; what ran goes in
     ``details["tasks"]`` (lm-eval version, runner calls, tokens fed, seconds)."""
-    from optimize.tasks.evaluate import evaluate_tasks
-
     tc = state.cfg.checks.tasks
     max_length = tc.max_length or runner.max_seq_len
     if max_length is None and model is not None:  # eager: the model's own context, as lm-eval's HF model reads it

@@ -35,10 +35,15 @@ from optimize.errors import ConfigError
 from optimize.export_rows import export_rows
 from optimize.measure import RunState, measure_baseline, score_row_tasks
 from optimize.progress import Callback, Progress, current_hub, reset_hub, use_hub
+from optimize.quiet import LogOutput
 from optimize.report import Report, StageRow, write_report
 from optimize.resources import PeakMemory
 from optimize.stage_api import get_stage
 from optimize.stage_rows import run_stages
+from optimize.tracking import PipelineTracker
+from targets import load_target
+from train.corpus import split_data, windows
+from train.sources import load_model
 
 log = logging.getLogger("optimize")
 
@@ -72,8 +77,6 @@ def run_pipeline(
     name from ``optimize ls devices`` or a YAML path) replaces the config's: the export rows are
     checked against that device (docs/devices.md).
     """
-    from optimize.quiet import LogOutput
-
     with contextlib.ExitStack() as stack:
         quiet = None
         if not progress:
@@ -99,8 +102,6 @@ def _resolved(config: PipelineConfigBase | str | Path, target: str | None, overr
 
 
 def _run_pipeline(cfg: PipelineConfigBase, output_dir, say, progress: bool, callback, quiet, stack) -> Report:
-    from optimize.tracking import PipelineTracker
-
     run_dir = Path(output_dir) if output_dir else cfg.run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / LOG_NAME
@@ -156,10 +157,6 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
     which the agreement and KL checks read one window at a time: kept in memory they are
     positions x vocab fp16 for the whole run (1 GB for a 128256-token vocabulary at 4096 eval
     tokens, a third of a bf16 1B model, which set the floor of a CPU run's peak RSS)."""
-    from targets import load_target
-    from train.corpus import split_data
-    from train.sources import load_model
-
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device, cfg.name)  # device: cuda without CUDA is refused before anything loads
     profile = load_target(cfg.target) if cfg.target else None
@@ -235,8 +232,6 @@ def _device_facts(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def _calib_windows(ids: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
-    from train.corpus import windows
-
     return windows(ids, seq_len) if ids.numel() >= 2 else []
 
 

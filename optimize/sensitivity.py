@@ -6,8 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from optimize.quant.sensitivity import DEFAULT_GROUPS, GroupKind, SensitivityReport, analyze_sensitivity, write_sensitivity
-
+from optimize.config import PipelineConfigBase, load_config
+from optimize.quant.sensitivity import (
+    DEFAULT_GROUPS,
+    GroupKind,
+    SensitivityReport,
+    analyze_sensitivity,
+    write_sensitivity,
+)
+from train.corpus import split_data, windows as cut
+from train.sources import load_model
 
 #: the ONNX Runtime exporter's ``quantize`` mode -> the fake-quant scheme with its arithmetic
 _ORT_SCHEMES = {"dynamic": "w8a8-tensor", "static": "w8a8-tensor", "dynamic_per_token": "8da8w"}
@@ -43,11 +51,6 @@ def run_sensitivity(
     ``windows`` x ``seq_len`` tokens are taken from the calibration span (after evaluation).
     Output goes to ``out_dir`` (default ``<run dir>/sensitivity``).
     """
-    from optimize.config import PipelineConfigBase, load_config
-    from train.corpus import split_data
-    from train.corpus import windows as cut
-    from train.sources import load_model
-
     if windows < 1 or seq_len < 8:
         raise ValueError(f"windows={windows} must be >= 1 and seq_len={seq_len} >= 8")
     cfg = config if isinstance(config, PipelineConfigBase) else load_config(config, overrides)

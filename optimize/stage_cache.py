@@ -41,6 +41,7 @@ from typing import Any, Iterator
 import torch
 
 from optimize import checkpoints as ckpt
+from optimize.export_cache import toolchain_versions
 from targets.atomic import atomic_dir, atomic_write_json, exclusive
 from train.model_cache import cache_root, ids_digest, keep_most_recent, link_or_copy, source_digest, weights_digest
 
@@ -69,8 +70,6 @@ class StageCache:
                 profile: Any, device: torch.device, dtype: torch.dtype, checks_key: str,
                 root: Path | None = None) -> StageCache | None:
         """The run's keys, or None where the loaded model cannot be keyed by its bytes."""
-        from optimize.export_cache import toolchain_versions
-
         weights = weights_digest(model)
         if weights is None:
             return None

@@ -25,6 +25,8 @@ from optimize.report import Report, StageRow
 from optimize.resources import PeakMemory, release_free_heap
 from optimize.rows import record_error, record_gated
 from optimize.stage_api import StageContext, get_stage, restorers
+from optimize.stage_cache import CHECKS_FILE, StageCache, measured_with
+from targets.atomic import atomic_write_json
 
 
 def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, config_dump: dict,
@@ -134,8 +136,6 @@ def _timed_eager(state: RunState) -> bool:
 
 def _stage_cache(state: RunState, config_dump: dict, model: torch.nn.Module, device, dtype):
     """The run's :class:`~optimize.stage_cache.StageCache` (``stage_cache: true``), keyed by the model as loaded."""
-    from optimize.stage_cache import StageCache
-
     cache = StageCache.for_run(config_dump, len(state.cfg.stages), model, calibration=state.calibration,
                                train_ids=state.train_ids, profile=state.profile, device=device, dtype=dtype,
                                checks_key=checks_key(state.cfg))
@@ -162,9 +162,6 @@ def _reuse_cached_stage(state: RunState, report: Report, model: torch.nn.Module,
                         checks_key: str) -> bool:
     """Stage ``i`` as another run computed it (linked into ``stage_dir``): its row, measured again
     where this run's checks differ, gated by this run's gates. False when a gate stops the run."""
-    from optimize.stage_cache import CHECKS_FILE, measured_with
-    from targets.atomic import atomic_write_json
-
     cfg = state.cfg
     row = StageRow.model_validate(ckpt.load_stage_row(stage_dir))
     renamed = row.name != cfg.stages[i].label(i)

@@ -29,6 +29,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from targets.config_base import Strict
+from targets.profile import target_names
 
 DEVICE_DIR = Path(__file__).parent / "devices"
 GIB = 2**30
@@ -116,8 +117,6 @@ class DeviceProfile(Strict):
     @field_validator("runtimes")
     @classmethod
     def _known_targets(cls, runtimes: dict[str, str]) -> dict[str, str]:
-        from targets.profile import target_names
-
         unknown = [k for k in runtimes if k not in target_names()]
         if unknown:
             raise ValueError(f"unknown target {', '.join(map(repr, unknown))}; targets: {', '.join(target_names())}")
@@ -305,8 +304,6 @@ def measure_host(threads: int | None = None) -> dict:
     n = int(threads or torch.get_num_threads())
     bw, samples = _host_bandwidth(n)
     free = shutil.disk_usage(Path.cwd()).free
-    from targets.profile import target_names
-
     return {
         "name": "host",
         "description": f"this machine ({platform.machine()}, {model}), measured when loaded",

@@ -19,6 +19,7 @@ from train.corpus import load_text, tokenize
 from train.distributed import init_distributed, teardown
 from train.loop import train
 from train.sources import load_model
+from train.tracking import MlflowRun, config_params, numeric_leaves, train_step_metrics
 
 log = logging.getLogger("optimize.train")
 
@@ -82,8 +83,6 @@ def _start_tracking(recipe: TrainRecipe, cfg, is_main: bool):
     """The recipe's MLflow run (rank 0 only; None without ``tracking.mlflow``): the recipe as params."""
     if not is_main or recipe.tracking is None or recipe.tracking.mlflow is None:
         return None
-    from train.tracking import MlflowRun, config_params
-
     out = Path(cfg.output_dir)
     run = MlflowRun(recipe.tracking.mlflow, out.name or "train", say=log.warning,
                     tags={"optimize.kind": "train", "optimize.output_dir": str(out)})
@@ -92,8 +91,6 @@ def _start_tracking(recipe: TrainRecipe, cfg, is_main: bool):
 
 
 def _step_metrics(run):
-    from train.tracking import train_step_metrics
-
     def on_step(row: dict) -> None:
         run.log_metrics(train_step_metrics(row), row["step"])
 
@@ -101,8 +98,6 @@ def _step_metrics(run):
 
 
 def _finish_tracking(run, report: "TrainReport", out_dir: Path) -> None:
-    from train.tracking import numeric_leaves
-
     summary = {k: v for k, v in numeric_leaves(report.model_dump(mode="json")).items()
                if "." not in k and k not in ("start_step", "final_step")}  # scalars only; losses per step are logged
     run.log_metrics({f"run.{k}": v for k, v in summary.items()}, step=report.final_step)

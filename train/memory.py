@@ -15,13 +15,12 @@ import torch
 from torch import nn
 
 from train.config import MemoryConfig
+from train.model_parts import decoder_blocks
 from train.process_memory import reset_peak_rss, status_bytes
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a causal LM (see :func:`train.model_parts.decoder_blocks`)."""
-    from train.model_parts import decoder_blocks
-
     blocks = [m for _, m in decoder_blocks(model)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no repeated blocks to checkpoint or shard")

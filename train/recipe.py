@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from train.config import TrainRecipe
+from train.tracking import missing_package
 
 
 class RecipeError(ValueError):
@@ -71,8 +72,6 @@ def parse_recipe(data: Any, where: str = "<recipe>", overrides: Sequence[str] = 
         recipe = TrainRecipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, where)) from None
-    from train.tracking import missing_package
-
     missing = missing_package(recipe.tracking)
     if missing:  # this machine lacks an optional package: one line, before anything loads
         raise RecipeError(f"{where}: tracking.mlflow: {missing}")

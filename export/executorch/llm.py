@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from export.base import ExportError
+
 ATTN_NAME = "executorch_custom_sdpa"
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -193,8 +195,6 @@ def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     ``[B, S, Hkv, D]`` cache buffers returned by :class:`CustomOpCacheLayer`. Returns
     ``[B, T, H, D]`` as transformers' attention functions do.
     """
-    from export.base import ExportError
-
     state = getattr(module, "_et_state", None)
     plan = getattr(module, "_et_plan", None)
     if state is None or plan is None:
@@ -292,8 +292,6 @@ class ExecuTorchDecoder(nn.Module):
         attn = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
                 and type(m).__name__.endswith("Attention")]
         if len(attn) != len(plan.layers):
-            from export.base import ExportError
-
             raise ExportError(
                 f"found {len(attn)} attention modules with a layer_idx for {len(plan.layers)} layers; "
                 "this architecture is not supported by the ExecuTorch custom-op export"

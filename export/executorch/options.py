@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from export.base import ExportOptions
+from targets.group_size import embedding_width_error, group_size_error, widths_error
 
 
 class ExecuTorchOptions(ExportOptions):
@@ -133,7 +134,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", 
 
 def model_problems(config: Any, opts: ExecuTorchOptions) -> list[str]:
     """What the model's config shows this exporter cannot do with ``opts`` (one sentence each)."""
-    from targets.group_size import embedding_width_error, group_size_error, widths_error
     from export.executorch.llm import plan_layers
 
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

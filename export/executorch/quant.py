@@ -15,6 +15,7 @@ from export.base import ExportError
 from export.executorch.delegable import NORM_MEAN_BUFFER
 from export.executorch.fusion import member_path
 from export.precision import linear_scheme, module_schemes, quantization_mix
+from targets.group_size import embedding_width_error, widths_error
 
 if TYPE_CHECKING:
     from export.executorch.options import ExecuTorchOptions
@@ -103,8 +104,6 @@ def apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> dict:
         targets = {fqn: m for fqn, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and by_role[role(fqn)] is not None}
         if opts.quantize == "8da4w":
-            from targets.group_size import widths_error
-
             why = widths_error(opts.group_size, {f: m.in_features for f, m in targets.items()
                                                  if by_role[role(f)] is main})
             if why:
@@ -125,8 +124,6 @@ def apply_quantization(model: torch.nn.Module, opts: ExecuTorchOptions) -> dict:
                 f"({linear_scheme(emb.weight)}); set embedding_quantize: null to export it as given"
             )
         if choice == "int4":
-            from targets.group_size import embedding_width_error
-
             why = embedding_width_error(opts.embedding_group_size, emb.embedding_dim)
             if why:
                 raise ExportError(why)

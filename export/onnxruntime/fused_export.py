@@ -19,6 +19,7 @@ import torch
 from export.base import ExportError
 from export.onnxruntime.fused import FusedPlan, install, op_counts, plan_model, write_hf_dir
 from export.onnxruntime.genai_builder import BuilderError, build
+from export.runtime import greedy_generate
 
 GENAI_CONFIG = "genai_config.json"
 
@@ -83,8 +84,6 @@ def genai_smoke(stage: Path, ref, prompt: torch.Tensor, n: int) -> dict:
     """onnxruntime-genai's own greedy search against ``ref``'s greedy tokens (recorded, not gated:
     a quantized model may rightly diverge; the pipeline's rows measure it fully)."""
     from export.onnxruntime.genai_runner import genai_greedy
-    from export.runtime import greedy_generate
-
     try:
         got = genai_greedy(stage, prompt.tolist(), n)
     except Exception as exc:

@@ -29,6 +29,8 @@ from typing import Iterable, Literal
 
 import numpy as np
 
+from targets.devices import host_isa
+
 Int8Format = Literal["auto", "u8s8", "u8u8"]
 
 #: ISA features (``targets.devices.ISA_FEATURES`` names) whose u8 x s8 dot products do not saturate
@@ -51,8 +53,6 @@ def u8s8_saturates(isa: Iterable[str], machine: str) -> bool:
 
 
 def host_u8s8_saturates() -> bool:
-    from targets.devices import host_isa
-
     return u8s8_saturates(host_isa(), platform.machine())
 
 
@@ -75,8 +75,6 @@ def resolve_int8_format(option: str, isa: Iterable[str] | None = None, machine: 
         raise ValueError(f"int8_format must be 'auto', 'u8s8' or 'u8u8', got {option!r}")
     where = where or ("the device profile's CPU" if isa is not None else "this host's CPU")
     if isa is None:
-        from targets.devices import host_isa
-
         isa = host_isa()
     machine = machine or platform.machine()
     isa = sorted(isa)

@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from export.base import ExportOptions
 from export.onnxruntime.genai_builder import FUSED_ARCHITECTURES, builder_problems
 from export.onnxruntime.int8_format import Int8Format, machine_of, resolve_int8_format
+from targets.devices import load_device
 
 __all__ = ["DYNAMO_MODEL_TYPES", "FUSED_MODEL_TYPES", "OnnxRuntimeOptions", "SUPPORTED_MODEL_TYPES"]
 
@@ -89,8 +90,6 @@ class OnnxRuntimeOptions(ExportOptions):
         device = getattr(cfg, "device_profile", None)
         if self.int8_format != "auto" or not device or device == "host":
             return self
-        from targets.devices import load_device
-
         profile = load_device(device)
         out = self.model_copy()
         out._device_cpu = (tuple(profile.isa), machine_of(profile.isa), profile.name)

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from export.base import ExportError
+from export.group_offset import GroupOffsetLinear
 from export.onnxruntime.weights import BlockQuant, from_torchao, rtn_int8_rows
 
 Kernel = Literal["nbits", "per_token"]
@@ -63,8 +64,6 @@ def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 def _wrappers(model: torch.nn.Module) -> dict:
-    from export.group_offset import GroupOffsetLinear
-
     return {n: m for n, m in model.named_modules() if isinstance(m, GroupOffsetLinear)}
 
 

@@ -22,12 +22,20 @@ from typing import Any, ClassVar, Literal, Sequence
 import torch
 from pydantic import Field
 
-from export.base import EXECUTORCH_TOOLCHAIN, ExportError, ExportOptions, ExportResult, Exporter
-from export.base import eos_token_ids, package_versions
+from export.base import (
+    EXECUTORCH_TOOLCHAIN,
+    Exporter,
+    ExportError,
+    ExportOptions,
+    ExportResult,
+    eos_token_ids,
+    package_versions,
+)
 from export.runtime import Runner
 from export.torchchat.layout import config_problems, meta_state_dict, torchchat_params
 from export.torchchat.runmd import quantization_summary, render_run_md, torchchat_quantize
 from targets.atomic import atomic_dir, sha256_file
+from targets.profile import load_target
 
 PTH, PARAMS, PTE, PT2, RUN_MD, MANIFEST = "model.pth", "params.json", "model.pte", "model.pt2", "RUN.md", "manifest.json"
 #: a chat template for tokenizers without one: torchchat's HF-tokenizer path refuses to start without any
@@ -64,8 +72,6 @@ class TorchChatOptions(ExportOptions):
 def _max_seq_len(opts: TorchChatOptions) -> int:
     if opts.max_seq_len is not None:
         return opts.max_seq_len
-    from targets.profile import load_target
-
     return load_target("torchchat").max_seq_len
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from optimize.checks.accuracy import BaselineLogits, logprobs_file
+from optimize.export_cache import toolchain_versions
 from targets.atomic import atomic_dir
 from train.model_cache import cache_root, keep_most_recent, link_or_copy, weights_digest
 
@@ -55,8 +56,6 @@ def _code_digest() -> str:
 
 def baseline_key(model: torch.nn.Module, windows: list[torch.Tensor], *, threads: int | None) -> str | None:
     """What determines the baseline's numbers, hashed; None where the model cannot be keyed."""
-    from optimize.export_cache import toolchain_versions
-
     weights = weights_digest(model)
     if weights is None:
         return None

@@ -30,6 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from optimize import checkpoints as ckpt
+from optimize.config import dump_config, load_config
+from optimize.fit import stages as fit_stages
+from optimize.pipeline import run_pipeline
+from optimize.prune.arch import shape
+from optimize.stages.prune import PruneConfig
+
 #: the heal, as examples/prune_distill.yaml writes it; ``steps`` comes from ``heal_steps``
 HEAL = {"kind": "distill", "seq_len": 256, "batch": {"micro_batch_size": 4}, "optimizer": {"lr": 1.0e-4},
         "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1}, "temperature": 1.0,
@@ -47,16 +54,12 @@ def depth_stages(depth: int, heal_steps: int) -> list[dict]:
 
 
 def blocks(config: Any) -> int:
-    from optimize.prune.arch import shape
-
     return int(shape(config)["layers"])
 
 
 def check_depths(cfg: Any, config: Any, depths: list[int], heal_steps: int) -> None:
     """Refuse, before anything is priced, a depth the prune stage would refuse, and a YAML that
     already prunes depth (two depth searches would compound)."""
-    from optimize.stages.prune import PruneConfig
-
     if heal_steps < 0:
         raise ValueError(f"heal_steps must be >= 0, got {heal_steps}")
     if not depths:
@@ -75,8 +78,6 @@ def check_depths(cfg: Any, config: Any, depths: list[int], heal_steps: int) -> N
 
 def pruned_config(config: Any, depth: int | None) -> Any:
     """The model config after keeping ``depth`` blocks (None: the config itself), for pricing."""
-    from optimize.stages.prune import PruneConfig
-
     if depth is None:
         return config
     return PruneConfig(kind="prune", method="depth", num_hidden_layers=depth).planned_config(config)
@@ -84,8 +85,6 @@ def pruned_config(config: Any, depth: int | None) -> Any:
 
 def kept_stage_dicts(cfg: Any) -> list[dict]:
     """The YAML's stages that do not quantize, as validated dicts (what fit.yaml keeps)."""
-    from optimize.config import dump_config
-
     dumped = dump_config(cfg)["stages"]
     return [d for d, s in zip(dumped, cfg.stages) if s.quant_scheme() is None]
 
@@ -110,11 +109,6 @@ class Healed:
 def heal(cfg: Any, depth: int, heal_steps: int, out_dir: Path, *, progress: bool = False) -> Healed:
     """Run the prune and heal stages, then the YAML's kept stages, on ``cfg``'s model (no export,
     every gate warning) in ``out_dir``; resumes what an earlier fit finished there."""
-    from optimize import checkpoints as ckpt
-    from optimize.fit import stages as fit_stages
-    from optimize.config import dump_config, load_config
-    from optimize.pipeline import run_pipeline
-
     data = dump_config(cfg)
     stages = depth_stages(depth, heal_steps) + kept_stage_dicts(cfg)
     for s in stages:  # judged on the quantized result by fit, and by fit.yaml's own run

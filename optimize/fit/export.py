@@ -19,6 +19,21 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from optimize.checks.accuracy import eval_windows, evaluate
+from optimize.checks.latency import measure_latency
+from optimize.fit import stages as fit_stages
+from optimize.footprint.memory import kv_cache_bytes
+from optimize.footprint.predict import (
+    DevicePrediction,
+    bytes_by_scheme,
+    nearest_source,
+    precision_overlap,
+    predict,
+    weight_bytes_per_token,
+)
+from targets.devices import host_bandwidth
+from train.corpus import split_data
+
 
 def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, *, windows: int, seq_len: int,
                      baseline: float, after: Sequence[Path] = (), log: Callable[[str], None] = lambda m: None) -> dict:
@@ -28,13 +43,6 @@ def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, 
     import torch
 
     from export.executorch import ExecuTorchExporter
-    from optimize.fit import stages as fit_stages
-    from optimize.checks.accuracy import eval_windows, evaluate
-    from optimize.checks.latency import measure_latency
-    from optimize.footprint.predict import bytes_by_scheme, predict, weight_bytes_per_token
-    from targets.devices import host_bandwidth
-    from train.corpus import split_data
-
     model, tokenizer = fit_stages.load_measured(cfg, list(after))
     eval_ids = split_data(cfg.data, tokenizer).eval_ids
     wins = eval_windows(eval_ids, min(cfg.data.seq_len, seq_len))[:windows]
@@ -81,9 +89,6 @@ def predict_from_nearest(row: Any, exported: Sequence[Any], device: Any, config:
     recipe's measured fraction of the host's bandwidth ceiling, over this recipe's bytes per token,
     on the host and on ``device``. ``config``: the model's (pruned to the row's depth). None where no
     exported recipe has the figures."""
-    from optimize.footprint.memory import kv_cache_bytes
-    from optimize.footprint.predict import DevicePrediction, nearest_source, precision_overlap
-
     common = dict(device=device.name, kind=device.kind, usable_memory_bytes=device.usable_bytes,
                   storage_bytes=device.storage_bytes, device_bandwidth_gb_s=device.bandwidth.practical_gb_s)
     sources = {id(r): DevicePrediction(**common, host_fraction_of_ceiling=r.runtime.get("host_fraction_of_ceiling"),

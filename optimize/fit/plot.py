@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from targets.atomic import atomic_write_bytes
+
 
 def render(result: Any, path: Path) -> Path | None:
     """Perplexity change (measured; the heuristic penalty where nothing was measured) against the
@@ -21,8 +23,6 @@ def render(result: Any, path: Path) -> Path | None:
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from targets.atomic import atomic_write_bytes
 
     measured = [r for r in result.rows if r.measured]
     pts = measured or result.rows

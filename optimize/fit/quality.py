@@ -17,6 +17,11 @@ import copy
 import math
 from typing import Any, Callable, Sequence
 
+from export.runtime import EagerRunner
+from optimize.checks.accuracy import eval_windows, evaluate
+from optimize.fit import stages as fit_stages
+from train.corpus import split_data
+
 
 def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, windows: int,
                       log: Callable[[str], None] = lambda m: None, after: Sequence[Any] = (),
@@ -29,14 +34,8 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
     import torch
 
     from export.executorch import ExecuTorchOptions, apply_quantization
-    from export.runtime import EagerRunner
-    from optimize.checks.accuracy import eval_windows, evaluate
-    from train.corpus import split_data
-
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
-    from optimize.fit import stages as fit_stages
-
     model, tokenizer = fit_stages.load_measured(cfg, list(after))
     wins = eval_windows(split_data(cfg.data, tokenizer).eval_ids, min(cfg.data.seq_len, max_seq_len))[:windows]
     tokens = sum(int(w.numel()) - 1 for w in wins)

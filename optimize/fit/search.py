@@ -32,9 +32,15 @@ from pathlib import Path
 
 import yaml
 
-from optimize.fit import plot as fit_plot, stages as fit_stages
+from optimize.config import load_config, read_yaml
+from optimize.config_checks import export_options
+from optimize.fit import depth as fit_depth, export as fit_export, plot as fit_plot, quality as fit_quality, stages as fit_stages
 from optimize.footprint.price import Priced, candidates, model_shapes, price
 from optimize.quiet import LogOutput
+from targets import load_target
+from targets.atomic import atomic_write_text
+from targets.devices import load_device
+from train.sources import peek_config
 
 MIB = 2**20
 
@@ -174,14 +180,6 @@ def fit(config_path: str | Path, device_profile: str, *, target: str = "executor
 
     Quiet unless ``progress``: the measurement's bars and library output go to ``fit.log`` in
     ``out_dir``; ``log`` gets one line per finalist either way."""
-    from optimize.fit import depth as fit_depth
-    from optimize.config import load_config, read_yaml
-    from optimize.config_checks import export_options
-    from targets import load_target
-    from targets.atomic import atomic_write_text
-    from targets.devices import load_device
-    from train.sources import peek_config
-
     if target != "executorch":
         raise ValueError(f"optimize fit prices the ExecuTorch exporter's recipes; target {target!r} is not priced yet")
     if windows < 0 or finalists < 1 or export_finalists < 0:
@@ -306,8 +304,6 @@ def _measure(chosen: list[Priced], sources: dict, out: Path, seq_len: int, windo
     """Measure the finalists (optimize.fit.quality): the full-depth ones on the model after the
     finished leading stages, each depth's after its prune and heal (optimize.fit.depth), which adds
     that depth's source to ``sources``. Every perplexity change is against the unpruned model's."""
-    from optimize.fit import depth as fit_depth, quality as fit_quality
-
     base_cfg, finished = sources[None]
     quality = fit_quality.measure_finalists(base_cfg, [r for r in chosen if r.depth is None], max_seq_len=seq_len,
                                             windows=windows, log=log, after=finished)
@@ -329,8 +325,6 @@ def _export_best(sources: dict, fitting: list[Priced], k: int, device, out: Path
     its depth's model in ``sources``, and hold their runtime figures to the budgets: the runtime
     perplexity, the decode PREDICTED from the measured one. The other measured recipes get a decode
     PREDICTED from the nearest exported one (shown, not gated: no runtime measured them)."""
-    from optimize.fit import depth as fit_depth, export as fit_export
-
     best: dict[tuple, Priced] = {}
     for r in sorted(fitting, key=_rank):
         if len(best) < k:

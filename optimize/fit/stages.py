@@ -22,6 +22,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from optimize import checkpoints as ckpt
+from optimize.config import dump_config
+from optimize.stage_api import restorers
+from train.sources import load_model
+
 
 def leading_kept(cfg: Any) -> int:
     """How many of the YAML's first stages do not quantize (fit.yaml keeps them, in the same places)."""
@@ -35,9 +40,6 @@ def leading_kept(cfg: Any) -> int:
 
 def stage_dirs(cfg: Any, upto: int) -> list[Path]:
     """The checkpoint directories of ``cfg``'s first ``upto`` stages in its run directory."""
-    from optimize import checkpoints as ckpt
-    from optimize.config import dump_config
-
     dump = dump_config(cfg)
     return [ckpt.stage_dir(cfg.run_dir(), i, s.kind, ckpt.prefix_hash(dump, i))
             for i, s in enumerate(cfg.stages[:upto])]
@@ -45,8 +47,6 @@ def stage_dirs(cfg: Any, upto: int) -> list[Path]:
 
 def finished(cfg: Any) -> list[Path]:
     """The finished checkpoints of the leading kept stages, in order (empty: none, or resume: false)."""
-    from optimize import checkpoints as ckpt
-
     if not cfg.resume:
         return []
     out = []
@@ -59,9 +59,6 @@ def finished(cfg: Any) -> list[Path]:
 
 def load_after(cfg: Any, dirs: list[Path]):
     """The model after the last of ``dirs`` (float32, eval), rebuilt as the pipeline resumes it."""
-    from optimize import checkpoints as ckpt
-    from optimize.stage_api import restorers
-
     model, _ = ckpt.load_stage(dirs[-1], restorers(cfg.stages[:len(dirs)]))
     return model.float().eval()
 
@@ -69,8 +66,6 @@ def load_after(cfg: Any, dirs: list[Path]):
 def load_measured(cfg: Any, dirs: list[Path]):
     """(model, tokenizer) the recipes are measured on: the model after the last of ``dirs`` (the
     finished leading stages), else as loaded; float32, eval; one model in memory at a time."""
-    from train.sources import load_model
-
     loaded = load_model(cfg.model)
     if not dirs:
         return loaded.model.float().eval(), loaded.tokenizer

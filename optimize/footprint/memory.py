@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from export.base import get_exporter
 from train.process_memory import reset_peak_rss, status_bytes
 
 MARKER = "OPTIMIZE_MEMORY_JSON "
@@ -238,8 +239,6 @@ def _child(argv: list[str] | None = None) -> int:
         mod, _, cls = args.exporter.partition(":")
         exporter = getattr(importlib.import_module(mod), cls)()
     else:
-        from export.base import get_exporter
-
         exporter = get_exporter(args.exporter)
     _warm_imports(exporter.name, artifact)
     gc.collect()

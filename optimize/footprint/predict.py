@@ -32,6 +32,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from optimize.footprint.memory import kv_cache_bytes
+from optimize.footprint.price import model_shapes
+from optimize.gates_config import GateResult
+
 MIB = 2**20
 
 METHOD = ("bandwidth scaling: predicted tok/s = (host decode tok/s x bytes per token / host copy bandwidth) "
@@ -151,8 +155,6 @@ def predict(device: Any, *, memory: Any, host_decode_tok_s: float | None, host_b
 
     ``memory`` is the row's :class:`~optimize.footprint.memory.MemoryFootprint` (or None), ``host_bandwidth``
     bytes/s, ``weight_bytes`` from :func:`weight_bytes_per_token`."""
-    from optimize.footprint.memory import kv_cache_bytes
-
     dev_bw = device.bandwidth.practical_gb_s * 1e9
     p = DevicePrediction(device=device.name, kind=device.kind, usable_memory_bytes=device.usable_bytes,
                          storage_bytes=device.storage_bytes, device_bandwidth_gb_s=round(dev_bw / 1e9, 2),
@@ -197,8 +199,6 @@ def bytes_by_scheme(config: Any, details: dict) -> dict[str, int] | None:
     graph = (details.get("quantization") or {}).get("exported_linear") or {}
     if not graph.get("counts"):
         return None
-    from optimize.footprint.price import model_shapes
-
     linears = model_shapes(config)[0]
     scheme_of = {name: s for s, names in (graph.get("modules") or {}).items() for name in names}
     out: dict[str, float] = {}
@@ -256,8 +256,6 @@ def device_gates(p: DevicePrediction, memory: Any, decode_budget: float | None) 
     """The device's limits as gates on one export row: measured memory within the usable memory,
     the artifact within the storage budget, and (with a budget) the predicted decode rate:
     :class:`~optimize.gates_config.GateResult` each."""
-    from optimize.gates_config import GateResult
-
     out = []
     if p.model_rss_bytes is None:
         why = getattr(memory, "error", None) or "checks.memory is off"

@@ -32,6 +32,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
+from optimize.footprint.memory import kv_cache_bytes
+
 SCHEMES = ("8da8w", "8da4w")
 GROUPS = (32, 64, 128)
 LM_HEADS = ("same", "8da8w", "fp32")
@@ -157,8 +159,6 @@ def price(config: Any, max_seq_len: int, device: Any, *, scheme: str, group_size
           depth: int | None = None, blocks: int | None = None) -> Priced:
     """``config`` is the model's (pruned to ``depth`` blocks where given, of ``blocks`` originally)."""
     from export.executorch import is_attention
-    from optimize.footprint.memory import kv_cache_bytes
-
     linears, head, (vocab, hidden), tied = shapes or model_shapes(config)
     body, head_p, emb_p = _precisions(scheme, group_size, lm_head, embedding)
     att_p = {"same": body, "8da8w": "int8", "fp32": "fp32"}[attention]

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from train.model_parts import decoder_blocks
+
 
 @dataclass(frozen=True)
 class Family:
@@ -74,8 +76,6 @@ def shape(config: Any) -> dict[str, int]:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks (:func:`train.model_parts.decoder_blocks`, the lookup every feature
     shares), which structured surgery also needs at ``model.layers.N`` in the state dict."""
-    from train.model_parts import decoder_blocks
-
     names = [n for n, _ in decoder_blocks(model)]
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not names or not isinstance(layers, nn.ModuleList) or names != [f"model.layers.{i}" for i in range(len(layers))]:

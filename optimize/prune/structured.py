@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from optimize.prune.arch import FAMILIES, PER_LAYER_LISTS, decoder_layers, shape
+from optimize.prune.arch import FAMILIES, PER_LAYER_LISTS, decoder_layers, hidden_norms, shape
 
 _LAYER_KEY = re.compile(r"^(model\.layers\.)(\d+)(\..*)$")
 
@@ -158,8 +158,6 @@ def _slice_hidden(model: nn.Module, state: dict[str, torch.Tensor], keep: torch.
     the norm weights are scaled by ``sqrt(H / H')``. That makes removing channels that carry
     nothing exact (up to ``eps``); for channels that did carry something it is the first-order
     correction, and distillation heals the rest."""
-    from optimize.prune.arch import hidden_norms
-
     hidden = model.config.hidden_size
     scale = (hidden / keep.numel()) ** 0.5
     for name in hidden_norms(model, hidden):

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from optimize.export_cache import toolchain_versions
 from optimize.quant.fakequant import WeightScheme
 from optimize.quant.gptq import GptqLayerResult
 from targets.atomic import atomic_dir, exclusive
@@ -72,8 +73,6 @@ class GptqBlockCache:
                 options: dict, device: torch.device | None) -> GptqBlockCache:
         """Key the blocks' GPTQ by the model as it enters (every weight's bytes), the windows, the
         options and the schemes of the block Linears (``targets`` without the head)."""
-        from optimize.export_cache import toolchain_versions
-
         weights = weights_digest(model)
         if weights is None:
             return cls(root, None)

@@ -27,6 +27,9 @@ from typing import Literal
 
 from torch import nn
 
+from optimize.module_select import is_tied, matches, module_name, resolve_patterns
+from optimize.quant.sensitivity import analyze_sensitivity, module_groups
+
 MB = 1e6
 Promote = Literal["fp32", "8da8w"]
 
@@ -44,8 +47,6 @@ def _promoted_bytes(mod: nn.Linear, promote_to: Promote) -> float:
 
 
 def _tied_head(model: nn.Module) -> str | None:
-    from optimize.module_select import is_tied, module_name
-
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     if get_in is None or get_out is None:
         return None
@@ -233,9 +234,6 @@ def budget_keep(
     A group's score is its KL when quantized alone at ``scheme``: what promoting it can win back
     at most. Returns the plan and the scored groups (for the report).
     """
-    from optimize.quant.sensitivity import analyze_sensitivity, module_groups
-    from optimize.module_select import matches, resolve_patterns
-
     sel = set(selected)
     if candidates is None:
         groups = [(label, names) for label, _, names in module_groups(model, ("blocks", "projections", "lm_head"))]

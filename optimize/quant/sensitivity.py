@@ -21,6 +21,11 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
+from export.runtime import EagerRunner
+from optimize.checks.accuracy import BaselineLogits, evaluate
+from optimize.module_select import resolve_patterns
+from optimize.quant.fakequant import fake_quantized, scheme_for
+from targets.atomic import atomic_path, atomic_write_json, atomic_write_text
 from targets.group_size import widths_error
 from train.model_parts import block_of, decoder_blocks
 
@@ -81,8 +86,6 @@ def _linears(model: nn.Module) -> list[str]:
 
 def module_groups(model: nn.Module, kinds: Sequence[GroupKind] = DEFAULT_GROUPS) -> list[tuple[str, GroupKind, list[str]]]:
     """``(label, kind, module names)`` for every requested grouping of the model's layers."""
-    from optimize.module_select import resolve_patterns
-
     bad = [k for k in kinds if k not in ("blocks", "projections", "lm_head", "embeddings", "modules")]
     if bad:
         raise ValueError(f"unknown sensitivity group kind(s) {bad}; choose from blocks, projections, lm_head, embeddings, modules")
@@ -132,10 +135,6 @@ def analyze_sensitivity(
     replaces ``groups`` with explicit ``(label, module names)`` pairs. The model is restored
     unchanged afterwards.
     """
-    from export.runtime import EagerRunner
-    from optimize.checks.accuracy import BaselineLogits, evaluate
-    from optimize.quant.fakequant import fake_quantized, scheme_for
-
     if not windows:
         raise ValueError("analyze_sensitivity needs at least one calibration window")
     if any(w.dim() != 1 or w.numel() < 2 for w in windows):
@@ -178,8 +177,6 @@ def _plot(report: SensitivityReport, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from targets.atomic import atomic_path
-
     ents = report.entries[:40]
     fig, ax = plt.subplots(figsize=(8, max(3, 0.22 * len(ents) + 1)))
     colors = {"blocks": "tab:blue", "projections": "tab:orange", "lm_head": "tab:red", "embeddings": "tab:green",
@@ -196,8 +193,6 @@ def _plot(report: SensitivityReport, path: Path) -> None:
 
 def write_sensitivity(report: SensitivityReport, out_dir: str | Path) -> dict[str, Path]:
     """Write ``sensitivity.json``, ``sensitivity.md`` and ``sensitivity.png`` atomically."""
-    from targets.atomic import atomic_write_json, atomic_write_text
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "sensitivity.json", "md": out / "sensitivity.md", "png": out / "sensitivity.png"}

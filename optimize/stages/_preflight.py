@@ -13,14 +13,16 @@ from typing import Any, Callable
 
 from torch import nn
 
+from optimize.quant.equalize import fold_groups
+from optimize.quant.fold_layouts import FoldRefused, layout_for
+from train.model_parts import meta_model
+
 log = logging.getLogger("optimize")
 
 
 def meta_or_none(config: Any) -> nn.Module | None:
     """The weightless model of ``config``, or None when it cannot be built without weights
     (custom code, an unmapped class): the stage's own run-time checks still refuse it then."""
-    from train.model_parts import meta_model
-
     try:
         return meta_model(config)
     except Exception as exc:  # transformers raises many kinds for configs it cannot build
@@ -39,8 +41,6 @@ def on_fold_layout(config: Any, check: Callable[[nn.Module], list[str]]) -> list
     """``check(meta model)`` for an architecture whose fold layout is known (``fold_layouts``); the
     layout's refusal, or a ``FoldRefused`` the check raises, as the one problem otherwise. What every
     stage that folds into the norms (smoothquant, awq, rotate) asks before it runs."""
-    from optimize.quant.fold_layouts import FoldRefused, layout_for
-
     try:
         layout_for(config)
     except FoldRefused as exc:
@@ -57,8 +57,6 @@ def on_fold_layout(config: Any, check: Callable[[nn.Module], list[str]]) -> list
 
 def fold_problems(config: Any, folds: list[str] | tuple[str, ...]) -> list[str]:
     """Why the equalization folds (smoothquant, awq) cannot apply to this architecture, if so."""
-    from optimize.quant.equalize import fold_groups
-
     def check(model: nn.Module) -> list[str]:
         fold_groups(model, tuple(folds))
         return []

@@ -17,8 +17,11 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from torch import nn
 
-from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE
-from optimize.quant.host_independent import CalibrationDtype
+from optimize.module_select import select_modules, unmatched_patterns
+from optimize.quant.awq import awq_scale
+from optimize.quant.equalize import fold_groups
+from optimize.quant.fakequant import scheme_for
+from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE, CalibrationDtype, computing_in, resolve
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._preflight import fold_problems, with_meta_model
@@ -84,9 +87,6 @@ class AwqConfig(StageConfig):
 
     def _group_size_problems(self, model: nn.Module) -> list[str]:
         """The int4 search fake-quantizes every searched reader in groups of group_size."""
-        from optimize.quant.equalize import fold_groups
-        from optimize.module_select import select_modules, unmatched_patterns
-
         typos = unmatched_patterns(model, self.keep_high_precision)
         if typos:
             return [f"keep_high_precision pattern(s) {typos} match no module of {type(model).__name__}"]
@@ -100,11 +100,6 @@ class AwqConfig(StageConfig):
 @register_stage("awq", AwqConfig)
 def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     """Activation-aware (AWQ) per-channel scaling for int4 weights, searched on calibration text and folded exactly."""
-    from optimize.quant.awq import awq_scale
-    from optimize.quant.host_independent import computing_in, resolve
-    from optimize.quant.fakequant import scheme_for
-    from optimize.module_select import select_modules, unmatched_patterns
-
     if not ctx.calibration:
         raise ValueError("awq needs calibration text; set data.calibration_tokens > 0")
     typos = unmatched_patterns(model, cfg.keep_high_precision)

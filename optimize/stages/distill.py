@@ -23,8 +23,10 @@ from torch import nn
 
 from optimize.finetune import FinetuneConfig, finetune
 from optimize.losses import DistillLoss
+from optimize.prune.records import kept_hidden, layer_map
 from optimize.stage_api import StageConfig, StageContext, register_stage
-from train.sources import ModelSource
+from train.model_parts import decoder_blocks
+from train.sources import ModelSource, load_model
 
 
 class TrainingStageConfig(StageConfig, FinetuneConfig):
@@ -76,8 +78,6 @@ def _vocab(m: nn.Module) -> int | None:
 def resolve_teacher(model: nn.Module, source, ctx: StageContext, who: str) -> nn.Module:
     """The loaded ``source`` (moved to the student's device) or ``ctx.baseline_model``."""
     if source is not None:
-        from train.sources import load_model
-
         teacher = load_model(source).model.to(_device(model)).eval()
     else:
         teacher = ctx.baseline_model
@@ -112,15 +112,11 @@ def run_training(model: nn.Module, cfg: TrainingStageConfig, ctx: StageContext, 
 
 
 def _blocks(m: nn.Module) -> int:
-    from train.model_parts import decoder_blocks
-
     return len(decoder_blocks(m))
 
 
 def hidden_plan(model: nn.Module, teacher: nn.Module, cfg: DistillConfig) -> tuple[dict[int, int], str, int, int]:
     """(student block -> teacher block, how it was derived, student hidden size, teacher hidden size)."""
-    from optimize.prune.records import layer_map
-
     n_s, n_t = _blocks(model), _blocks(teacher)
     if not n_s or not n_t:
         raise ValueError(f"distill: hidden_weight needs decoder blocks in both models ({n_s} student, {n_t} teacher)")
@@ -165,8 +161,6 @@ def distill(model: nn.Module, cfg: DistillConfig, ctx: StageContext) -> nn.Modul
         mapping, how, d_s, d_t = hidden_plan(model, teacher, cfg)
         proj, init = None, None
         if d_s != d_t:
-            from optimize.prune.records import kept_hidden
-
             proj, init = _projection(d_s, d_t, ctx.seed, next(model.parameters()),
                                      kept_hidden(model.config, teacher.config))
         if proj is not None:  # a submodule while training, so the loop's optimizer (and checkpoints) hold it

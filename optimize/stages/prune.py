@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
+from optimize.module_select import select_modules, unmatched_patterns
 from optimize.prune import importance as imp
 from optimize.prune.arch import decoder_layers, family_of, family_problem, shape
 from optimize.prune.select import keep_blocks, keep_channels, keep_heads, kept_mlp_width
@@ -265,8 +266,6 @@ def _width(model: nn.Module, cfg: PruneConfig, ctx: StageContext, windows: list)
 
 
 def _sparse(model: nn.Module, cfg: PruneConfig, ctx: StageContext, windows: list) -> tuple[nn.Module, dict]:
-    from optimize.module_select import select_modules, unmatched_patterns
-
     typos = unmatched_patterns(model, cfg.modules or [])
     if typos:
         raise PruneError(f"prune: pattern(s) {typos} match no module of {type(model).__name__}")

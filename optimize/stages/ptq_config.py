@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from torch import nn
 
-from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE
-from optimize.quant.host_independent import CalibrationDtype
+from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE, CalibrationDtype
 from optimize.stage_api import StageConfig
+from optimize.stages._preflight import with_meta_model
 from optimize.stages.ptq_plan import LayerPlan, plan
 from targets.config_base import Strict
 from targets.group_size import GROUP_MULTIPLE, embedding_group_size_error, group_size_error
@@ -237,8 +237,6 @@ class Ptq8Config(StageConfig):
         """The layer selection and group sizes against the model's layers (:func:`plan` on a
         weightless copy), so a pattern typo or a group size that does not divide a layer's
         in_features is refused at validation, not after the earlier stages ran."""
-        from optimize.stages._preflight import with_meta_model
-
         def check(model: nn.Module) -> list[str]:
             try:
                 self.layer_plan(model)

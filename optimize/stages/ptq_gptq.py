@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from optimize.quant.fakequant import scheme_for
+from optimize.quant.gptq import grid_values
+from optimize.quant.gptq_sequential import gptq_model
+from optimize.quant.host_independent import resolve
 from optimize.stage_api import StageContext
 from optimize.stages.ptq_config import GptqOptions, Ptq8Config
 
@@ -21,8 +25,6 @@ if TYPE_CHECKING:
 
 
 def _weight_scheme(cfg: Ptq8Config, int8: bool):
-    from optimize.quant.fakequant import scheme_for
-
     return scheme_for("8da8w", None) if int8 or cfg.scheme == "8da8w" else scheme_for("8da4w", cfg.effective_group_size)
 
 
@@ -45,8 +47,6 @@ def install_integers(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bi
     output head, which set ``ptq_int8``'s peak RSS on the CPU; the integers are then ``q`` itself."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
     from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS, quantize_affine
-
-    from optimize.quant.gptq import grid_values
 
     target = torch.int4 if bits == 4 else torch.int8
     qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[target]
@@ -78,9 +78,6 @@ def install_integers(module: nn.Linear, q: torch.Tensor, scale: torch.Tensor, bi
 def quantize_gptq(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, four: list[str], eight: list[str]) -> dict:
     """Run GPTQ over the int4 (``four``) and int8 (``eight``) Linears and install the results;
     returns the details for the report."""
-    from optimize.quant.gptq_sequential import gptq_model
-    from optimize.quant.host_independent import resolve
-
     if not ctx.calibration:
         raise ValueError("ptq_int8: algorithm gptq needs calibration text; set data.calibration_tokens > 0")
     opts = cfg.gptq or GptqOptions()

@@ -30,10 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from optimize.module_select import is_tied, module_name
+from optimize.quant.mixed import budget_keep
+from optimize.quant.source_grid import find_grid, offset_module, record, restore as restore_grid
 from optimize.stage_api import StageContext, register_stage
-from optimize.module_select import is_tied
 from optimize.stages.ptq_config import Ptq8Config
-from optimize.quant.source_grid import restore as restore_grid
 from optimize.stages.ptq_gptq import install_integers, quantize_gptq
 from optimize.stages.ptq_plan import LayerPlan, untie_config
 
@@ -66,8 +67,6 @@ def embedding_config(cfg: Ptq8Config):
 def budget_plan(model: nn.Module, cfg: Ptq8Config, ctx: StageContext, p: LayerPlan) -> dict:
     """Promote the most sensitive groups of ``p['selected']`` (to int8 or fp32) within the budgets;
     updates ``p`` in place and returns the report's details."""
-    from optimize.quant.mixed import budget_keep
-
     if not ctx.calibration:
         raise ValueError("ptq_int8: size_budget_mb / max_decode_slowdown_pct need calibration text to score sensitivity")
     algorithm = "hqq" if cfg.weight_qparams == "hqq_scale_only" else "rtn"
@@ -92,9 +91,6 @@ def source_grids(model: nn.Module, names: list[str], group_size: int) -> dict:
     refuses a ``source_grid`` stage where none does (the source was no 4-bit GGUF). The output
     projection is never among them: it may share its table with the embedding, and exporters read
     its weight as a Linear's; it goes through the stage's ``algorithm``."""
-    from optimize.quant.source_grid import find_grid
-    from optimize.module_select import module_name
-
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_name = module_name(model, head) if head is not None else None
     grids = {}
@@ -115,8 +111,6 @@ def install_grids(model: nn.Module, grids: dict, cfg: Ptq8Config) -> dict:
     carry how far the split is from the weights it replaces (``max_relative_error``; the installer
     refuses integers that do not survive torchao's layout)."""
     from torchao.quantization import quantize_
-
-    from optimize.quant.source_grid import offset_module, record
 
     g = cfg.effective_group_size
     worst = 0.0

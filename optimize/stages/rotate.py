@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from torch import nn
 
+from optimize.quant.rotate import plan_rotation, rotate_model
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._preflight import on_fold_layout
@@ -48,8 +49,6 @@ class RotateConfig(StageConfig):
         return self
 
     def check_model(self, config: Any, target: Any | None) -> list[str]:
-        from optimize.quant.rotate import plan_rotation
-
         def check(model: nn.Module) -> list[str]:
             plan = plan_rotation(model, self.r1, self.r2)
             if self.r1 and plan.r1_refused:
@@ -74,8 +73,6 @@ class RotateConfig(StageConfig):
 @register_stage("rotate", RotateConfig)
 def rotate(model: nn.Module, cfg: RotateConfig, ctx: StageContext) -> nn.Module:
     """Exact Hadamard rotations (R1 residual stream, R2 per head) folded into the weights, for 4-bit."""
-    from optimize.quant.rotate import plan_rotation, rotate_model
-
     plan = plan_rotation(model, cfg.r1, cfg.r2)
     was_training = model.training
     model.eval()

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from torch import nn
 
+from optimize.quant.smoothquant import smooth
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._preflight import fold_problems
@@ -63,8 +64,6 @@ class SmoothQuantConfig(StageConfig):
 @register_stage("smoothquant", SmoothQuantConfig)
 def smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: StageContext) -> nn.Module:
     """SmoothQuant outlier migration for W8A8, folded exactly into norms/linears (no run-time cost)."""
-    from optimize.quant.smoothquant import smooth
-
     if not ctx.calibration:
         raise ValueError("smoothquant needs calibration text; set data.calibration_tokens > 0")
     windows = ctx.calibration[: cfg.calibration_windows]

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Sequence
 
+from optimize.tasks.adapter import RunnerLM
 from optimize.tasks.data import SPECS, require_lm_eval, task_config
 from optimize.tasks.scores import TaskScore
 
@@ -27,8 +28,6 @@ def evaluate_tasks(runner, tokenizer, names: Sequence[str], *, limit: int | None
     import torch
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
-
-    from optimize.tasks.adapter import RunnerLM
 
     for name in ("lm_eval", "lm-eval"):  # lm-eval logs every task and request at INFO/WARNING
         logging.getLogger(name).setLevel(logging.ERROR)

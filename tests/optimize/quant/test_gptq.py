@@ -161,7 +161,7 @@ def test_gptq_stage_in_bfloat16_keeps_its_integers(tiny_llama, tiny_cfg, tmp_pat
         seen["res"] = real(*a, **k)
         return seen["res"]
 
-    monkeypatch.setattr(gptq_mod, "gptq_model", keep)
+    monkeypatch.setattr("optimize.stages.ptq_gptq.gptq_model", keep)  # where the stage calls it
     model = tiny_llama.to(torch.bfloat16)
     cfg = _stage(tiny_cfg, algorithm="gptq", int8_modules=["lm_head"], keep_high_precision=[])
     model = get_stage("ptq_int8").fn(model, cfg, _ctx(tmp_path))

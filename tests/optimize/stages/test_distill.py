@@ -209,7 +209,7 @@ def test_a_wider_teacher_is_matched_through_a_learned_projection(tmp_path, monke
         "llama", hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=V))
     # a random source needs a vocabulary as large as its tokenizer's; serve this small one instead
-    monkeypatch.setattr(sources, "load_model", lambda src: sources.LoadedModel(wide_model, None, "wide"))
+    monkeypatch.setattr("optimize.stages.distill.load_model", lambda src: sources.LoadedModel(wide_model, None, "wide"))
     wide = sources.RandomSource(config=dict(model_type="llama", hidden_size=96, vocab_size=V))
     ctx = ctx_for(tmp_path, teacher)
     run(student, DistillConfig(teacher=wide, steps=6, seq_len=32, hidden_weight=1.0, optimizer={"lr": 1e-3}), ctx)
