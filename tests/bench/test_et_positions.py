@@ -54,6 +54,9 @@ def test_sweep_of_a_tiny_program_against_its_copy(et_positions, tiny_llama, tmp_
     for cells in res["positions"].values():
         assert len(cells) == 2 and all(c["ms"] > 0 for c in cells)
         assert cells[0]["ratio"] == 1.0
-        assert 0.5 < cells[1]["ratio"] < 2.0  # the same program; wide enough for a shared CI host
+        # a copy of the same program: a ratio an order of magnitude off 1 means the pairing is broken;
+        # what the ratio is beyond that is the host's noise, a benchmark's business, not a test's
+        # (two busy CI workers gave 0.24 once, with 0.5-2.0 asserted here)
+        assert 0.1 < cells[1]["ratio"] < 10.0
     with pytest.raises(RuntimeError, match="position 64 failed.*max_seq_len"):
         et_positions.sweep([a], [64], steps=1, rounds=1, threads=1)
