@@ -50,6 +50,9 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
         build(hf, built, precision="fp32", extra_options=extra, log=log)
     except BuilderError as exc:
         raise ExportError(str(exc)) from None
+    # the fp32 Hugging Face copy was the builder's input only: gone before the install writes the
+    # artifact, so an export's scratch space peaks at two copies of the fp32 model, not three
+    shutil.rmtree(hf)
     t2 = time.perf_counter()
     installed = install(built / "model.onnx", stage / "model.onnx", model, plan, log, decode_branch=opts.decode_branch,
                         int8_format=opts.resolved_int8_format())
@@ -57,6 +60,7 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
     for f in sorted(built.iterdir()):
         if f.is_file() and not f.name.startswith("model.onnx"):
             shutil.copy2(f, stage / f.name)
+    shutil.rmtree(built)  # its fp32 graph is installed; the smoke checks run on the staged artifact
     genai = json.loads((stage / GENAI_CONFIG).read_text())
     if max_seq:
         genai["search"]["max_length"] = int(min(max_seq, genai["model"].get("context_length", max_seq)))
