@@ -88,6 +88,7 @@ def genai_smoke(stage: Path, ref, prompt: torch.Tensor, n: int) -> dict:
     """onnxruntime-genai's own greedy search against ``ref``'s greedy tokens (recorded, not gated:
     a quantized model may rightly diverge; the pipeline's rows measure it fully)."""
     from export.onnxruntime.genai_runner import genai_greedy
+
     try:
         got = genai_greedy(stage, prompt.tolist(), n)
     except Exception as exc:

@@ -34,6 +34,7 @@ def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, window
     import torch
 
     from export.executorch import ExecuTorchOptions, apply_quantization
+
     if windows < 1:
         raise ValueError(f"windows must be >= 1, got {windows}")
     model, tokenizer = fit_stages.load_measured(cfg, list(after))

@@ -210,6 +210,7 @@ def _warm_imports(exporter_name: str, artifact: Path) -> None:
                 load_llama_custom_ops()
     if exporter_name == "onnxruntime" or artifact.suffix == ".onnx":
         import onnxruntime  # noqa: F401
+
     for mod in (f"export.{exporter_name}.runner",):
         try:
             importlib.import_module(mod)
