@@ -4,7 +4,7 @@
 GPTQ builds each block's Hessians from forward passes of that block over every calibration
 window, and the output head's from a forward of the head. A block's forward after its last Linear
 (the down projection's product, the residual) and the head's own 49152 x 576 product compute
-outputs nothing reads; ``_StopAfterLastInput`` ends those forwards once the last target has its
+outputs nothing reads; ``StopAfterLastInput`` ends those forwards once the last target has its
 input. This bench times ``GptqRunResult.calibrate_s`` (the feeds alone, not the solves) for both,
 round-robin (one run of each per round, so a disturbance on a shared host hits both alike), and
 reports each round's ratio and their median; it also checks that both give the same integers and
@@ -60,14 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     targets = {n: (int8 if n == "lm_head" else int4) for n, m in model.named_modules()
                if isinstance(m, nn.Linear)}
 
-    real_window = gs._StopAfterLastInput.window
+    real_window = gs.StopAfterLastInput.window
 
     def run(stopping: bool) -> gs.GptqRunResult:
-        gs._StopAfterLastInput.window = real_window if stopping else (lambda self, feed: feed())
+        gs.StopAfterLastInput.window = real_window if stopping else (lambda self, feed: feed())
         try:
             return gs.gptq_model(copy.deepcopy(model), targets, windows, calibration_dtype=torch.float64)
         finally:
-            gs._StopAfterLastInput.window = real_window
+            gs.StopAfterLastInput.window = real_window
 
     rounds: list[dict[str, float]] = []
     results = {}

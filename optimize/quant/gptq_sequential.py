@@ -2,7 +2,7 @@
 the blocks before it, already quantized, output.
 
 The per-layer algorithm is :mod:`optimize.quant.gptq`; this module feeds it: Hessians from
-forward hooks (:class:`HessianCollector`), the Linears that read one input solved together
+forward hooks (:mod:`optimize.quant.calibration_hooks`), the Linears that read one input solved together
 (:func:`shared_input_groups`), the calibration windows carried from block to block
 (:class:`~optimize.quant.block_inputs.BlockChain`), one block at a time on a compute device, and
 each result handed to the caller as soon as nothing reads its float weight again.
@@ -21,100 +21,14 @@ from torch import nn
 
 from optimize.device import model_device, on_device
 from optimize.quant.block_inputs import BlockChain
-from optimize.quant.fakequant import WeightScheme, qdq_act
+from optimize.quant.calibration_hooks import HessianCollector, StopAfterLastInput, StopForward
+from optimize.quant.fakequant import WeightScheme
 from optimize.quant.gptq import Damp, GptqLayerResult, ScaleInit, gptq_layers
 from optimize.quant.gptq_cache import GptqBlockCache
 from optimize.quant.gptq_rows import row_graphs
 from optimize.quant.host_independent import casts, computing_in
 from optimize.resources import release_free_heap
 from train.model_parts import block_of, decoder_blocks
-
-
-class HessianCollector:
-    """Accumulates ``sum x x^T`` over the inputs a set of Linears receive (one Hessian per input)."""
-
-    def __init__(self, model: nn.Module, names: list[str], scheme: WeightScheme | None = None):
-        self.model, self.scheme = model, scheme
-        self.h: dict[str, torch.Tensor] = {}
-        self.tokens: dict[str, int] = {}
-        # q/k/v (and gate/up) receive the very same input tensor one after another: its x^T x is
-        # computed once and reused while that tensor is unchanged
-        self._last: tuple[torch.Tensor, int, torch.Tensor] | None = None
-        self._handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
-
-    def _outer(self, inp: torch.Tensor) -> torch.Tensor:
-        last = self._last
-        if last is not None and last[0] is inp and last[1] == inp._version:
-            return last[2]
-        x = inp.detach()
-        x = (x if x.dtype == torch.float64 else x.float()).reshape(-1, inp.shape[-1])  # float64 calibration stays so
-        if self.scheme is not None:  # the int8 activations the shipped kernel multiplies
-            x = qdq_act(x, self.scheme)
-        x = x.double()
-        xtx = x.t() @ x
-        self._last = (inp, inp._version, xtx)
-        return xtx
-
-    def _hook(self, name: str) -> Callable:
-        def fn(_mod, args):
-            xtx = self._outer(args[0])
-            if name not in self.h:
-                self.h[name] = torch.zeros_like(xtx)
-                self.tokens[name] = 0
-            self.h[name] += xtx
-            self.tokens[name] += args[0].numel() // args[0].shape[-1]
-
-        return fn
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._last = None
-
-
-class _StopForward(Exception):
-    pass
-
-
-class _StopAfterLastInput:
-    """Ends a calibration forward once every target Linear has received its input.
-
-    What runs after that (the down projection and the residual of a block; a 49152-wide output
-    head in float64, about 1.2 s a window on one core) computes outputs the calibration throws away.
-    Registered after the :class:`HessianCollector`'s hooks, so the collector sees the last input
-    first. Only where the first window called each target exactly once (a dense model): where a
-    Linear runs a data-dependent number of times (a mixture of experts' routed experts), a later
-    window may call it again after the others, and every window runs to the end instead."""
-
-    def __init__(self, model: nn.Module, names: list[str]):
-        self.names, self.armed = set(names), False
-        self.seen: dict[str, int] = {}
-        self._handles = [model.get_submodule(n).register_forward_pre_hook(self._hook(n)) for n in names]
-
-    def _hook(self, name: str) -> Callable:
-        def fn(_mod, _args):
-            self.seen[name] = self.seen.get(name, 0) + 1
-            if self.armed and len(self.seen) == len(self.names):
-                raise _StopForward
-        return fn
-
-    def window(self, run: Callable[[], None]) -> None:
-        """One window's forward; the first one, run whole, decides whether later ones may stop."""
-        self.seen = {}
-        try:
-            run()
-        except _StopForward:
-            return
-        if not self.armed:
-            self.armed = set(self.seen) == self.names and all(n == 1 for n in self.seen.values())
-            if not self.armed:
-                self.close()  # a target ran other than once: no stopping for this step
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def _install_cached_blocks(model: nn.Module, hit, chain: BlockChain, result: GptqRunResult, home: torch.device,
@@ -323,7 +237,7 @@ def _gptq_model(
         """Feed the windows (one callable each) with Hessian hooks on ``names``, then GPTQ them."""
         t_feed = _clock(device or home)
         collector = HessianCollector(model, names, targets[names[0]] if targets[names[0]].act_int8 else None)
-        stopper = _StopAfterLastInput(model, names)
+        stopper = StopAfterLastInput(model, names)
         try:
             for feed in feeds:
                 stopper.window(feed)
@@ -409,13 +323,13 @@ def _gptq_model(
         stop = None
         if block is not None and block != blocks[-1]:
             def _halt(_m, _a, _o):
-                raise _StopForward
+                raise StopForward
             stop = model.get_submodule(block).register_forward_hook(_halt)
 
         def feed_from_input(w: torch.Tensor) -> None:
             try:
                 model(w.view(1, -1))
-            except _StopForward:
+            except StopForward:
                 pass
 
         try:

@@ -16,7 +16,8 @@ def test_gptq_model_groups_the_linears_that_read_one_input(model_type):
     gate_up_proj stand alone) are found exactly, and different inputs are never merged."""
     from tiny_families import family  # tests/optimize is on sys.path (its conftest)
 
-    from optimize.quant.gptq_sequential import HessianCollector, shared_input_groups
+    from optimize.quant.calibration_hooks import HessianCollector
+    from optimize.quant.gptq_sequential import shared_input_groups
     from train.model_parts import decoder_blocks
 
     model = family(model_type).eval()
@@ -115,7 +116,7 @@ def test_calibration_forwards_stop_after_the_last_target_and_quantize_the_same(m
         ran = []
         m.get_output_embeddings().register_forward_hook(lambda *_: ran.append(1))
         if not stopping:
-            monkeypatch.setattr(gptq_mod._StopAfterLastInput, "window", lambda self, feed: feed())
+            monkeypatch.setattr(gptq_mod.StopAfterLastInput, "window", lambda self, feed: feed())
         result = gptq_mod.gptq_model(m, targets, windows)
         monkeypatch.undo()
         return result, len(ran)
@@ -133,7 +134,7 @@ def test_calibration_forwards_stop_after_the_last_target_and_quantize_the_same(m
 def test_a_target_that_runs_twice_a_forward_turns_the_stop_off():
     """A Linear called a data-dependent number of times (an expert, a weight shared by two calls)
     may get inputs after the others have all had theirs: no window stops early then."""
-    from optimize.quant.gptq_sequential import HessianCollector, _StopAfterLastInput
+    from optimize.quant.calibration_hooks import HessianCollector, StopAfterLastInput
 
     class Twice(nn.Module):
         def __init__(self):
@@ -146,7 +147,7 @@ def test_a_target_that_runs_twice_a_forward_turns_the_stop_off():
     model = Twice()
     xs = [torch.randn(4, 32, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     collector = HessianCollector(model, ["a", "b"])
-    stopper = _StopAfterLastInput(model, ["a", "b"])
+    stopper = StopAfterLastInput(model, ["a", "b"])
     with torch.no_grad():
         for x in xs:
             stopper.window(lambda x=x: model(x))
