@@ -39,6 +39,14 @@ def test_wrong_type_names_path(tiny_cfg):
     assert "data.eval_tokens: Input should be a valid integer" in _err(tiny_cfg)
 
 
+def test_stage_cache_takes_a_boolean_and_its_misspelling_is_named(tiny_cfg):
+    tiny_cfg["stage_cache"] = "sometimes"
+    assert "stage_cache: Input should be a valid boolean" in _err(tiny_cfg)
+    del tiny_cfg["stage_cache"]
+    tiny_cfg["stage_cach"] = True
+    assert "stage_cach: unknown key 'stage_cach' (did you mean 'stage_cache'?)" in _err(tiny_cfg)
+
+
 def test_out_of_range_value(tiny_cfg):
     tiny_cfg["stages"] = [{"kind": "test_noise", "scale": -1}]
     assert "stages.0.scale: Input should be greater than or equal to 0" in _err(tiny_cfg)
