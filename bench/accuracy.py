@@ -257,9 +257,9 @@ def main(argv=None) -> int:
     from targets.atomic import atomic_write_json, atomic_write_text
     from export.runtime import EagerRunner
     from optimize.checks.accuracy import BaselineLogits, eval_windows, evaluate
-    from train.corpus import load_text, split_corpus, tokenize
-    from train.corpus import windows as cut
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources.corpus import windows as cut
+    from targets.sources import BundledSource, load_model
 
     names = [n.strip() for n in args.rows.split(";") if n.strip()] if args.rows else (
         QUICK if args.quick else ["fp32"] + [r.name for r in AB_ROWS] if args.ab

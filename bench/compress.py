@@ -17,7 +17,7 @@ fraction of the PTQ gap QAT recovers and the curve of that fraction against trai
 converted model).
 
 Perplexity is the project's reference: the first 4097 pydoc tokens in 512-token windows.
-Calibration text and training text come after the evaluation span (train.corpus.split_corpus),
+Calibration text and training text come after the evaluation span (targets.sources.corpus.split_corpus),
 so nothing is tuned on what is measured. Finished rows are cached as JSON under
 ``--work-dir`` (keyed by the row's settings), so an interrupted run resumes where it stopped:
 
@@ -68,8 +68,8 @@ def say(msg: str) -> None:
 
 class Bench:
     def __init__(self, args):
-        from train.corpus import load_text, split_corpus, tokenize
-        from train.sources import BundledSource, load_model
+        from targets.sources.corpus import load_text, split_corpus, tokenize
+        from targets.sources import BundledSource, load_model
 
         self.args = args
         loaded = load_model(BundledSource(name="smollm2-135m"))

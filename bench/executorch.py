@@ -382,9 +382,9 @@ def main(argv=None) -> int:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
     from export.executorch.runner import set_threads
-    from train.corpus import load_text, split_corpus, tokenize
-    from train.corpus import windows as cut
-    from train.sources import BundledSource, bundled_gguf_path, convert_gguf, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources.corpus import windows as cut
+    from targets.sources import BundledSource, bundled_gguf_path, convert_gguf, load_model
 
     t_all = time.perf_counter()
     lm = load_model(BundledSource(name="smollm2-135m"))

@@ -46,9 +46,9 @@ def main() -> None:
 
     from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
     from optimize.stage_api import StageContext, get_stage
-    from train.corpus import load_text, split_corpus, tokenize
-    from train.corpus import windows as cut
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources.corpus import windows as cut
+    from targets.sources import BundledSource, load_model
 
     loaded = load_model(BundledSource(name="smollm2-135m"))
     ids = tokenize(load_text("pydoc"), loaded.tokenizer)

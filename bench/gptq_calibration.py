@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from optimize.quant import gptq_sequential as gs
     from optimize.quant.fakequant import scheme_for
-    from train.corpus import load_text, split_corpus, tokenize
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources import BundledSource, load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(BundledSource(name="smollm2-135m"))

@@ -64,7 +64,7 @@ def build_ours(name: str, lm, splits, out: Path, log) -> tuple[Path, float, dict
     from optimize.config_checks import export_options
     from optimize.stage_api import StageContext, get_stage
     from targets import load_target
-    from train.corpus import windows
+    from targets.sources.corpus import windows
 
     t = time.perf_counter()
     model = copy.deepcopy(lm.model)
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
 
     from export.onnxruntime.genai_runner import GenaiRunner
     from export.onnxruntime.runner import OnnxRuntimeRunner
-    from train.corpus import load_text, split_corpus, tokenize
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources import BundledSource, load_model
 
     lm = load_model(BundledSource(name="smollm2-135m"))
     ids = tokenize(load_text("pydoc"), lm.tokenizer)

@@ -33,7 +33,7 @@ def export_rows(report: Path) -> list[tuple[str, dict, dict]]:
     report from before ``weight_bytes_by_scheme`` existed gets it from its config and graph record."""
     from optimize.config import _pipeline_model
     from optimize.footprint.predict import bytes_by_scheme
-    from train.sources import peek_config
+    from targets.sources import peek_config
 
     data = json.loads(report.read_text())
     cfg = _pipeline_model().model_validate(data["config"])

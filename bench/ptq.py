@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from export.runtime import EagerRunner
     from export.verify import latency, perplexity
     from optimize.stage_api import StageContext, get_stage
-    from train.corpus import load_text, tokenize
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, tokenize
+    from targets.sources import BundledSource, load_model
 
     loaded = load_model(BundledSource(name="smollm2-135m"))
     ids = tokenize(load_text("pydoc"), loaded.tokenizer)

@@ -140,8 +140,8 @@ def make_runner(model, tokenizer, kind: str, tmp: Path, log, args_max_seq: int =
 
 
 def bench_gqa(args, rows: list[tuple[str, str]]) -> None:
-    from train.corpus import load_text, split_corpus, tokenize
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources import BundledSource, load_model
 
     loaded = load_model(BundledSource(name="smollm2-135m"))
     base = loaded.model

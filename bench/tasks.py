@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     from export.base import get_exporter
     from export.runtime import EagerRunner
     from optimize.tasks.evaluate import evaluate_tasks
-    from train.sources import BundledSource, load_model
+    from targets.sources import BundledSource, load_model
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

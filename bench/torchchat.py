@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     from export.base import get_exporter
     from export.executorch.runner import set_threads
     from export.runtime import EagerRunner
-    from train.corpus import load_text, tokenize
-    from train.sources import BundledSource, load_model
+    from targets.sources.corpus import load_text, tokenize
+    from targets.sources import BundledSource, load_model
 
     t_all = time.perf_counter()
     lm = load_model(BundledSource(name="smollm2-135m"))

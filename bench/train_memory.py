@@ -58,9 +58,9 @@ def _one(option: str, seq: int, steps: int, out_json: Path) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     from train.config import LoopConfig
-    from train.corpus import load_text, tokenize
+    from targets.sources.corpus import load_text, tokenize
     from train.loop import train
-    from train.sources import BundledSource, load_model
+    from targets.sources import BundledSource, load_model
 
     loaded = load_model(BundledSource(name="smollm2-135m"))
     ids = tokenize(load_text("pydoc"), loaded.tokenizer)[4097:]

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from targets.atomic import atomic_dir
-from train.weight_files import unsafe_pickle_reason
+from targets.sources.weight_files import unsafe_pickle_reason
 
 COMPLETE = "COMPLETE"
 _REDO = "delete {path} to run that stage again, or set resume: false"

@@ -23,7 +23,7 @@ from optimize.overrides import OverrideError, apply_overrides
 from optimize.stage_api import StageConfig, registered_stages
 from optimize.tasks.config import TasksConfig
 from targets.config_base import Strict
-from train.sources import BundledSource, GGUFSource, HFSource, ModelSource, RandomSource
+from targets.sources import BundledSource, GGUFSource, HFSource, ModelSource, RandomSource
 from train.tracking import TrackingConfig, missing_package
 
 CONFIG_VERSION = 1

@@ -20,7 +20,7 @@ from optimize.errors import problems_from
 from optimize.tasks.data import missing_packages
 from targets import TargetError, load_target
 from targets.devices import DeviceError, device_path, load_device
-from train.sources import GGUFSource, HFSource, ModelSourceError, peek_config
+from targets.sources import GGUFSource, HFSource, ModelSourceError, peek_config
 
 
 def semantic_problems(cfg, check_files: bool = True) -> list[tuple[str, str]]:

@@ -42,8 +42,8 @@ from optimize.stage_api import get_stage
 from optimize.stage_rows import run_stages
 from optimize.tracking import PipelineTracker
 from targets import load_target
-from train.corpus import split_data, windows
-from train.sources import load_model
+from targets.sources.corpus import split_data, windows
+from targets.sources import load_model
 
 log = logging.getLogger("optimize")
 

@@ -23,7 +23,7 @@ import sys
 import torch
 from pydantic import BaseModel, Field
 
-from train.process_memory import reset_peak_rss, status_bytes
+from targets.process_memory import reset_peak_rss, status_bytes
 
 MIB = 2**20
 

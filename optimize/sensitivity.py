@@ -14,8 +14,8 @@ from optimize.quant.sensitivity import (
     analyze_sensitivity,
     write_sensitivity,
 )
-from train.corpus import split_data, windows as cut
-from train.sources import load_model
+from targets.sources.corpus import split_data, windows as cut
+from targets.sources import load_model
 
 #: the ONNX Runtime exporter's ``quantize`` mode -> the fake-quant scheme with its arithmetic
 _ORT_SCHEMES = {"dynamic": "w8a8-tensor", "static": "w8a8-tensor", "dynamic_per_token": "8da8w"}

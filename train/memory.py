@@ -16,7 +16,7 @@ from torch import nn
 
 from train.config import MemoryConfig
 from train.model_parts import decoder_blocks
-from train.process_memory import reset_peak_rss, status_bytes
+from targets.process_memory import reset_peak_rss, status_bytes
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

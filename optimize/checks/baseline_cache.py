@@ -30,7 +30,7 @@ import torch
 from optimize.checks.accuracy import BaselineLogits, logprobs_file
 from optimize.export_cache import toolchain_versions
 from targets.atomic import atomic_dir
-from train.model_cache import cache_root, keep_most_recent, link_or_copy, weights_digest
+from targets.user_cache import cache_root, keep_most_recent, link_or_copy, weights_digest
 
 CACHE_VERSION = 1
 #: entries kept (most recently used first); each is a few hundred MB for a small model

@@ -32,7 +32,7 @@ from optimize.footprint.predict import (
     weight_bytes_per_token,
 )
 from targets.devices import host_bandwidth
-from train.corpus import split_data
+from targets.sources.corpus import split_data
 
 
 def export_finalists(cfg: Any, rows: Sequence[Any], device: Any, out_dir: Path, *, windows: int, seq_len: int,

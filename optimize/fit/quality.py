@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from export.runtime import EagerRunner
 from optimize.checks.accuracy import eval_windows, evaluate
 from optimize.fit import stages as fit_stages
-from train.corpus import split_data
+from targets.sources.corpus import split_data
 
 
 def measure_finalists(cfg: Any, rows: Sequence[Any], *, max_seq_len: int, windows: int,

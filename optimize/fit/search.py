@@ -40,7 +40,7 @@ from optimize.quiet import LogOutput
 from targets import load_target
 from targets.atomic import atomic_write_text
 from targets.devices import load_device
-from train.sources import peek_config
+from targets.sources import peek_config
 
 MIB = 2**20
 

@@ -25,7 +25,7 @@ from typing import Any
 from optimize import checkpoints as ckpt
 from optimize.config import dump_config
 from optimize.stage_api import restorers
-from train.sources import load_model
+from targets.sources import load_model
 
 
 def leading_kept(cfg: Any) -> int:

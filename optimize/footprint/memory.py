@@ -35,7 +35,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from export.base import get_exporter
-from train.process_memory import reset_peak_rss, status_bytes
+from targets.process_memory import reset_peak_rss, status_bytes
 
 MARKER = "OPTIMIZE_MEMORY_JSON "
 MIB = 2**20

@@ -31,7 +31,7 @@ from optimize.export_cache import toolchain_versions
 from optimize.quant.fakequant import WeightScheme
 from optimize.quant.gptq import GptqLayerResult
 from targets.atomic import atomic_dir, exclusive
-from train.model_cache import ids_digest, keep_most_recent, source_digest, weights_digest
+from targets.user_cache import ids_digest, keep_most_recent, source_digest, weights_digest
 
 CACHE_VERSION = 1
 #: entries kept, most recently used first

@@ -26,7 +26,7 @@ from optimize.losses import DistillLoss
 from optimize.prune.records import kept_hidden, layer_map
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from train.model_parts import decoder_blocks
-from train.sources import ModelSource, load_model
+from targets.sources import ModelSource, load_model
 
 
 class TrainingStageConfig(StageConfig, FinetuneConfig):

@@ -17,7 +17,7 @@ def quiet(*_a, **_k):
 @pytest.fixture(scope="module")
 def tiny():
     """The tiny Llama (model and tokenizer), built once per test module."""
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     return load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
 

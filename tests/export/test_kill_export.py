@@ -43,7 +43,7 @@ def _quiet(*_a, **_k):
 def _build_tiny():
     """The seeded one-block Llama; the children build the very same one."""
     from tests.conftest import TINY_CONFIGS
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     return load_model(RandomSource(config={**TINY_CONFIGS["llama"], "num_hidden_layers": 1, "initializer_range": 0.2},
                                    seed=0))

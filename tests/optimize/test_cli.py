@@ -149,9 +149,9 @@ def _expected_errors():
     from optimize.errors import ConfigError
     from optimize.rewrites.ln_plans import RewriteRefused
     from targets import TargetError
-    from train.corpus import CorpusError
+    from targets.sources.corpus import CorpusError
     from train.recipe import RecipeError
-    from train.sources import ModelSourceError
+    from targets.sources import ModelSourceError
 
     return [
         ConfigError("p.yaml", [("stages.0.scheme", "not allowed")]),

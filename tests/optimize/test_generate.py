@@ -8,7 +8,7 @@ import torch
 from export.base import get_exporter
 from export.runtime import EagerRunner, greedy_generate
 from optimize.cli import main
-from train.sources import RandomSource, load_model
+from targets.sources import RandomSource, load_model
 
 
 def test_run_streams_greedy_text_from_exported_onnx(tiny_llama_config, smollm2_tokenizer, tmp_path, capsys):

@@ -41,7 +41,7 @@ def test_model_flops_of_a_tied_llama(tiny_llama):
 def test_untied_embedding_is_a_lookup_and_lora_trains_only_adapters(tiny_llama_config):
     from train.config import LoRAConfig
     from train.lora import apply_lora
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     untied = load_model(RandomSource(config={**tiny_llama_config, "tie_word_embeddings": False}, seed=0)).model
     n = _tiny_llama_numbers()

@@ -164,7 +164,7 @@ def test_recipe_default_attention_keeps_a_family_without_sdpa(tmp_path):
     loop keeps that and a window applies through the mask instead of refusing the recipe."""
     from tests.conftest import TINY_CONFIGS
     from train.attention import configure_attention
-    from train.sources import load_model
+    from targets.sources import load_model
 
     raw = dict(model=dict(source="random", seed=0, config=dict(TINY_CONFIGS["gemma2"])),
                data=dict(seq_len=64), train=dict(device="cpu", attention=dict(sliding_window=16)))

@@ -373,7 +373,7 @@ def test_quantized_embedding_with_a_padding_idx_lowers_and_matches_eager(tmp_pat
     program must lower and agree with its eager twin (the same options applied by the exporter's
     own quantization code), the pad id included."""
     from export.executorch.quant import apply_quantization
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     cfg = {**TINY, "num_hidden_layers": 1, "pad_token_id": 2, "tie_word_embeddings": True}
     loaded = load_model(RandomSource(config=cfg, seed=0))

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 @pytest.fixture(scope="module")
 def tiny():
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     return load_model(RandomSource(config=dict(TINY), seed=0))
 

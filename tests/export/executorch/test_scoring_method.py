@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 
 def _export(cfg, tmp, **opts):
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     loaded = load_model(RandomSource(config=dict(cfg), seed=0))
     res = ExecuTorchExporter().export(loaded.model, loaded.tokenizer, tmp, {"max_seq_len": MAX_SEQ_LEN, **opts},

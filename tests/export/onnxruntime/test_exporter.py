@@ -31,7 +31,7 @@ DYNAMO = {"graph": "dynamo"}
 @pytest.fixture(scope="module")
 def text_ids(smollm2_tokenizer):
     """Real pydoc text: eval windows from the start, calibration windows strictly after them."""
-    from train.corpus import load_text, tokenize
+    from targets.sources.corpus import load_text, tokenize
 
     ids = tokenize(load_text("pydoc")[:40000], smollm2_tokenizer)
     return {"eval": [ids[i : i + 128] for i in range(0, 512, 128)],
@@ -255,7 +255,7 @@ def test_unsupported_model_type(tmp_path, tiny):
 
 
 def test_non_fp32_model_refused(tmp_path):
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     lm = load_model(RandomSource(config=dict(TINY, num_hidden_layers=1), seed=0))
     with pytest.raises(ExportError, match="needs a float32 model"):

@@ -99,7 +99,7 @@ def test_family_matches_eager_past_the_window(family, smollm2_tokenizer, tmp_pat
 def _ptq(cfg: dict, calibration=()):
     from optimize.stage_api import StageContext
     from optimize.stages.ptq_int8 import Ptq8Config, ptq_int8
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     lm = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
     ctx = StageContext(tokenizer=lm.tokenizer, calibration=list(calibration), train_ids=None, target=None,
@@ -186,7 +186,7 @@ def test_int4_with_int8_activations_tracks_the_fake_quant_model(smollm2_tokenize
     """accuracy_level 4 (int8 activations per block, ORT's kernel) against eager 8da4w (int8
     activations per token): the two differ only in how activations round, so the ORT model sits
     far closer to the eager fake-quant model than the fp32 model does (stated bound: 0.5x)."""
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     model, tok = _ptq(dict(scheme="8da4w", group_size=32))
     fp32 = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0)).model
@@ -245,7 +245,7 @@ def test_decode_branch_is_the_per_token_arithmetic(tmp_path):
 def test_exporter_w8a8_per_token_on_the_fused_graph(tmp_path):
     """quantize: dynamic_per_token on an fp32 model: every weight int8 per channel behind
     per-token activations, lm_head included, the embedding int8 per row (GatherBlockQuantized)."""
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     lm = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
     opts = {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True}
@@ -292,7 +292,7 @@ def test_awq_gptq_pipeline_to_onnxruntime_reports_both_runtimes(tmp_path):
 def test_optimize_run_on_the_export_directory(smollm2_tokenizer, tmp_path, capsys):
     """`optimize run <dir>` drives onnxruntime-genai and streams eager's greedy text."""
     from optimize.cli import main
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     model = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0)).model
     res = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "onnx", {}, log=_quiet)
@@ -493,7 +493,7 @@ def test_builder_failure_is_a_clear_error(tmp_path):
 
 
 def test_quantize_export_refuses_the_fused_graph(tmp_path):
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     lm = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
     res = OnnxRuntimeExporter().export(lm.model, lm.tokenizer, tmp_path / "f", {}, log=_quiet)

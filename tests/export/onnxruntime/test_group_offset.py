@@ -29,7 +29,7 @@ def _q4_1(w: torch.Tensor) -> torch.Tensor:
 def _grid_model(offset: str, head_fp32: bool = False):
     from optimize.stage_api import StageContext
     from optimize.stages.ptq_int8 import Ptq8Config, ptq_int8
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     lm = load_model(RandomSource(config=dict(TINY), seed=0))
     with torch.no_grad():

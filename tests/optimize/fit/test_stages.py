@@ -17,7 +17,7 @@ def test_finished_leading_stages_are_measured_after_and_linked_for_fit_yaml(tiny
 
     from optimize import checkpoints as ckpt
     from optimize.fit import stages as fit_stages
-    from train.sources import load_model
+    from targets.sources import load_model
 
     tiny_cfg["stages"] = [{"kind": "distill"}, {"kind": "ptq_int8", "scheme": "8da4w"}]
     path = tmp_path / "p.yaml"

@@ -42,7 +42,7 @@ def onnx_export(tmp_path_factory):
     """The tiny Llama through the ONNX Runtime exporter (seconds), max_seq_len 256."""
     from export.onnxruntime.exporter import OnnxRuntimeExporter
     from tests.export.conftest import TINY_LLAMA
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     tiny = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
     out = tmp_path_factory.mktemp("ort_mem")
@@ -95,7 +95,7 @@ def test_peak_rss_of_a_tiny_pte_in_a_child(tmp_path):
     from export.executorch.exporter import ExecuTorchExporter
     from optimize.footprint.predict import packed_copy_bytes, weight_bytes_per_token
     from tests.export.conftest import TINY_LLAMA
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     tiny = load_model(RandomSource(config=dict(TINY_LLAMA), seed=0))
     res = ExecuTorchExporter().export(tiny.model, tiny.tokenizer, tmp_path / "et", {"max_seq_len": 256},
@@ -131,7 +131,7 @@ def test_a_table_stored_once_saves_storage_not_memory(tmp_path):
     from export.executorch.exporter import ExecuTorchExporter
     from optimize.footprint.predict import packed_copy_bytes
     from tests.export.conftest import TINY_LLAMA
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     tiny = load_model(RandomSource(config=dict(TINY_LLAMA, hidden_size=256, intermediate_size=512,
                                                num_attention_heads=4, num_key_value_heads=2), seed=0))

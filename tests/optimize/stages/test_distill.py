@@ -200,7 +200,7 @@ def test_hidden_loss_maps_a_depth_pruned_student_to_the_blocks_it_kept(tmp_path)
 
 
 def test_a_wider_teacher_is_matched_through_a_learned_projection(tmp_path, monkeypatch):
-    import train.sources as sources
+    import targets.sources as sources
 
     teacher, student = teacher_and_student()
     keys = list(student.state_dict())

@@ -69,7 +69,7 @@ def test_stage_runs_in_pipeline_with_report_row(kind, tiny_cfg):
 def test_stage_keeps_output_shape(kind, tiny_cfg, tmp_path):
     from optimize.config import load_config as _load
     from optimize.stage_api import StageContext, get_stage
-    from train.sources import load_model
+    from targets.sources import load_model
 
     params, model_config = EXAMPLES[kind]
     if model_config is not None:

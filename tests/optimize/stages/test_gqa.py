@@ -189,7 +189,7 @@ def test_refused_at_validation_and_planned_kv_heads_flow_on(tiny_cfg):
         load_config(tiny_cfg)
     tiny_cfg["stages"] = [{"kind": "gqa", "num_key_value_heads": 2}, {"kind": "gqa", "num_key_value_heads": 1}]
     cfg = load_config(tiny_cfg)
-    from train.sources import peek_config
+    from targets.sources import peek_config
 
     original = peek_config(cfg.model)
     planned = cfg.stages[1].planned_config(cfg.stages[0].planned_config(original))

@@ -200,7 +200,7 @@ def test_pruned_model_reloads_and_exports_smaller(family, tmp_path, smollm2_toke
     from export.onnxruntime.exporter import OnnxRuntimeExporter
     from export.runtime import EagerRunner
     from export.verify import logits_parity
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     config, stages, expected = CASES[family]
     loaded = load_model(RandomSource(config={**config, "vocab_size": 49152, "max_position_embeddings": 256,

@@ -191,7 +191,7 @@ def test_qat_model_exports_to_pte_matching_eager(tmp_path):
     from export.executorch.exporter import ExecuTorchExporter
     from export.runtime import EagerRunner
     from export.verify import logits_parity
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     loaded = load_model(RandomSource(config=dict(model_type="llama", hidden_size=64, intermediate_size=128,
                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -201,7 +201,7 @@ def test_refused_at_validation_unless_approximate(tiny_cfg, model, message):
 def test_planned_config_records_the_rewrite_for_exporters(tiny_cfg, tmp_path):
     """An exporter that needs RMSNorm (TorchChat) sees the record at validation, before any weights."""
     from optimize import load_config
-    from train.sources import peek_config
+    from targets.sources import peek_config
 
     tiny_cfg["model"]["config"] = dict(TINY["gpt2"], tie_word_embeddings=True)
     tiny_cfg["stages"] = [{"kind": "rmsnorm"}]

@@ -19,7 +19,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def tiny_lm():
     from tests.conftest import TINY_LLAMA
-    from train.sources import RandomSource, load_model
+    from targets.sources import RandomSource, load_model
 
     loaded = load_model(RandomSource(config={**TINY_LLAMA, "initializer_range": 0.2}, seed=0))
     return loaded.model.eval(), loaded.tokenizer

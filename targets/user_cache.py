@@ -1,7 +1,7 @@
 """The user cache (``$OPTIMIZE_CACHE``, else ``~/.cache/edge-optimize``): where GGUF files'
 conversions live, and when they go.
 
-A GGUF file is converted to a safetensors folder once (:func:`train.sources.convert_gguf`) and
+A GGUF file is converted to a safetensors folder once (:func:`targets.sources.convert_gguf`) and
 reused while the file is unchanged. The baseline cache (``optimize.checks.baseline_cache``) keeps
 its entries under the same root.
 """
@@ -63,7 +63,7 @@ def drop_stale_conversions(fresh: Path, gguf: Path) -> None:
         if origin is not None and (origin == source or not Path(origin).is_file()):
             log.info("removing stale GGUF conversion %s (source %s)", entry, origin)
             shutil.rmtree(entry, ignore_errors=True)
-            # its lock file too (train.sources.convert_gguf): no load converts that key again
+            # its lock file too (targets.sources.convert_gguf): no load converts that key again
             entry.with_name(f".{entry.name}.lock").unlink(missing_ok=True)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.model_cache import SOURCE_FILE, conversion_dir, drop_stale_conversions, record_source
-from train.sources import bundled_gguf_path, convert_gguf
+from targets.user_cache import SOURCE_FILE, conversion_dir, drop_stale_conversions, record_source
+from targets.sources import bundled_gguf_path, convert_gguf
 
 
 def _conversion(root: Path, name: str, source: Path | None) -> Path:
@@ -64,7 +64,7 @@ def test_a_bounded_cache_drops_old_entries_with_their_locks_and_old_orphan_locks
     import os
     import time
 
-    from train.model_cache import ORPHAN_LOCK_S, keep_most_recent
+    from targets.user_cache import ORPHAN_LOCK_S, keep_most_recent
 
     for k, name in enumerate(["a", "b", "c"]):
         (tmp_path / name).mkdir()
@@ -95,7 +95,7 @@ def test_a_conversion_is_written_whole_by_any_rank_with_its_tied_head_stored_onc
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from train.sources import _save_conversion
+    from targets.sources.gguf import _save_conversion
 
     from transformers import AutoConfig
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from train import causal_lm
-from train.sources import GGUFSource, HFSource, ModelSourceError, RandomSource, bundled_gguf_path, load_model, peek_config
+from targets.sources import causal_lm
+from targets.sources import GGUFSource, HFSource, ModelSourceError, RandomSource, bundled_gguf_path, load_model, peek_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _config(d: dict):

