@@ -1,0 +1,153 @@
+"""The lowering's shortcuts leave the program byte for byte what ExecuTorch alone writes.
+
+:mod:`export.executorch.lowering_cost` skips XNNPACK passes that cannot apply to a delegate and
+keeps provenance histories short. Both claims are checked by lowering the same model with and
+without them and comparing the bytes (debug handles included), on two decoder families whose
+graphs differ (Llama: GQA, RMSNorm, SiLU gate; GPT-2: fused ``c_attn``, LayerNorm, GELU), and on a
+small CNN where some skipped passes do apply (convolution, batch norm, padding), so a predicate that
+dropped a pass it should run would change the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import pytest
+import torch
+from torch import nn
+
+from export.executorch import lowering_cost
+from tests.export.conftest import _Tok
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@contextlib.contextmanager
+def _stock_lowering(monkeypatch):
+    """ExecuTorch's own lowering: every pass on every delegate, full provenance."""
+
+    @contextlib.contextmanager
+    def nothing(*_a, **_k):
+        yield
+
+    with monkeypatch.context() as m:
+        m.setattr(lowering_cost, "applicable_passes_only", nothing)
+        m.setattr(lowering_cost, "without_provenance", nothing)
+        yield
+
+
+def _lower_llm(model) -> tuple[str, dict]:
+    from export.executorch import ExecuTorchOptions, lower_to_pte
+
+    opts = ExecuTorchOptions(quantize="8da4w", group_size=32, lm_head="8da8w", max_seq_len=32)
+    data, details = lower_to_pte(model, _Tok(), opts, log=lambda *_: None)
+    return hashlib.sha256(data).hexdigest(), details
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_llm_lowers_to_the_same_bytes_with_fewer_passes(family, tiny_config, monkeypatch):
+    from targets.sources import RandomSource, load_model
+
+    model = load_model(RandomSource(config=tiny_config(family), seed=0)).model
+    ours, details = _lower_llm(model)
+    with _stock_lowering(monkeypatch):
+        stock, stock_details = _lower_llm(model)
+    assert ours == stock
+    skipped = details["llm_ops"]["xnnpack_passes_skipped"]
+    # the decoder holds none of these operators: every delegate skips them
+    for name in ("FuseBatchNormPass", "DecomposeBatchNorm", "Conv1dUnsqueezePass", "PReLUReshapePass",
+                 "InsertPadQDQPass", "RemoveGetItemPass", "ConvertToSDPAPass", "ConvertToUpsampleBilinear2d"):
+        assert skipped.get(name, 0) >= 1, (name, skipped)
+    # a decoder's every delegate skips each of them, and XNNPACK's preprocess met each delegate once
+    assert set(skipped.values()) == {details["delegation"]["delegated_subgraphs"]}, skipped
+    assert stock_details["llm_ops"]["xnnpack_passes_skipped"] == {}  # the stock run skipped nothing
+
+
+class _Vision(nn.Module):
+    """Operators some of the skippable passes act on: padding, convolution (1-D and 2-D), batch
+    norm; and PReLU and max-pooling, which reach XNNPACK as ``prelu``/``max_pool2d`` (not the
+    ``_prelu_kernel``/``max_pool2d_with_indices`` those two passes rewrite), so they are skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1d = nn.Conv1d(4, 4, 3, padding=1)
+        self.conv = nn.Conv2d(4, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.prelu = nn.PReLU()
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        y = self.conv1d(x.flatten(2)).view_as(x)
+        y = nn.functional.pad(y, (1, 1, 1, 1))
+        y = self.pool(self.prelu(self.bn(self.conv(y))))
+        return y
+
+
+def _lower_vision(model) -> tuple[bytes, dict]:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    ep = torch.export.export(model, (torch.randn(1, 4, 8, 8),), strict=True)
+    skipped: dict[str, int] = {}
+    with lowering_cost.applicable_passes_only(skipped), lowering_cost.without_provenance():
+        edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
+    return edge.to_executorch().buffer, skipped
+
+
+def test_passes_whose_operators_are_present_still_run():
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    torch.manual_seed(0)
+    model = _Vision().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    ours, skipped = _lower_vision(model)
+    stock = to_edge_transform_and_lower(torch.export.export(model, (torch.randn(1, 4, 8, 8),), strict=True),
+                                        partitioner=[XnnpackPartitioner()]).to_executorch().buffer
+    assert hashlib.sha256(ours).hexdigest() == hashlib.sha256(stock).hexdigest()
+    # what these graphs hold is not skipped; what they lack (SDPA, upsampling) is
+    assert "ConvertToSDPAPass" in skipped and "ConvertToUpsampleBilinear2d" in skipped
+    delegates = skipped["ConvertToSDPAPass"]  # no delegate holds an SDPA: each skipped it
+    for name in ("Conv1dUnsqueezePass", "FuseBatchNormPass", "DecomposeBatchNorm", "InsertPadQDQPass"):
+        assert skipped.get(name, 0) < delegates, (name, skipped)  # some delegate ran it
+
+
+@pytest.mark.parametrize("name, present, applies", [
+    ("Conv1dUnsqueezePass", {"aten.convolution.default"}, True),
+    ("Conv1dUnsqueezePass", {"aten.linear.default", "aten.add.Tensor"}, False),
+    ("FuseBatchNormPass", {"aten._native_batch_norm_legit_no_training.default"}, True),
+    ("DecomposeBatchNorm", {"aten.native_batch_norm.default"}, True),
+    ("PReLUReshapePass", {"aten._prelu_kernel.default"}, True),
+    ("InsertPadQDQPass", {"aten.constant_pad_nd.default"}, True),
+    ("RemoveGetItemPass", {"aten.max.dim"}, True),
+    ("RemoveGetItemPass", {"aten.amax.default"}, False),
+    ("ConvertToLinearPass", set(), True),  # a pass without a rule always runs
+    ("FuseActivationPass", set(), True),
+])
+def test_a_pass_is_skipped_only_without_its_operators(name, present, applies):
+    assert lowering_cost.may_apply(name, present) is applies
+
+
+def test_a_pattern_pass_runs_where_its_pattern_can_match():
+    from executorch.backends.xnnpack.partition.graphs import sdpa
+
+    pattern_ops = lowering_cost._op_names(sdpa.get_graphs()[0].graph)
+    assert lowering_cost.may_apply("ConvertToSDPAPass", pattern_ops | {"aten.add.Tensor"})
+    assert not lowering_cost.may_apply("ConvertToSDPAPass", pattern_ops - {next(iter(pattern_ops))})
+
+
+def test_the_stock_functions_come_back_even_after_an_error():
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+    from torch.fx import traceback as fx_traceback
+
+    pass_init, source_init = XNNPACKPassManager.__init__, fx_traceback.NodeSource.__init__
+    with pytest.raises(RuntimeError):
+        with lowering_cost.applicable_passes_only(), lowering_cost.without_provenance():
+            assert XNNPACKPassManager.__init__ is not pass_init
+            assert fx_traceback.NodeSource.__init__ is not source_init
+            raise RuntimeError("lowering failed")
+    assert XNNPACKPassManager.__init__ is pass_init
+    assert fx_traceback.NodeSource.__init__ is source_init
