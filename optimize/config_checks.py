@@ -84,6 +84,9 @@ def _device_problems(cfg) -> list[tuple[str, str]]:
         why = device.check_target(t.name) and device.check_target(t.exporter)  # a custom target: by its exporter
         if why:
             return [("device_profile", why)]
+        why = device.check_isa(t)  # the runtime build's ISA floor against the device's cores
+        if why:
+            return [("device_profile", why)]
     return []
 
 

@@ -83,7 +83,9 @@ def export_rows(state: RunState, model: torch.nn.Module, report: Report) -> None
     device = _load_device(cfg, report)
     for row in rows:
         wall = row.wall_s
-        extra = _device_gates_or_error(state, device, model, row) if device is not None else ()
+        # with a device profile its memory gate says why an unmeasured peak cannot pass; without one,
+        # a memory check that could not measure fails on its own instead of passing silently
+        extra = _device_gates_or_error(state, device, model, row) if device is not None else _memory_gate(state, row)
         ok = record_gated(report, row, gates, state.baseline_metrics, t0, state.say, extra) and ok
         row.wall_s = wall
         if resumed:
@@ -161,6 +163,18 @@ def _measure_memory(state: RunState, model: torch.nn.Module, exporter, path: Pat
     if fp.error:
         state.say(f"{row.name}: peak memory not measured: {fp.error}")
     return fp
+
+
+def _memory_gate(state: RunState, row: StageRow) -> list[GateResult]:
+    """A failed ``memory`` gate where ``checks.memory`` asked for the peak and the child could not
+    measure it (a full-context prefill that asked for more memory than the machine has, a child that
+    crashed or ran out of time): the report must not end "all gates passed" without the figure."""
+    mem = row.metrics.memory
+    if not state.cfg.checks.memory or (mem is not None and mem.error is None):
+        return []
+    why = mem.error if mem is not None else "no figures"
+    return [GateResult(metric="memory", goal={"measured": True}, value=None, baseline=None, ok=False,
+                       message=f"peak memory was not measured ({why}); checks.memory: false skips the check")]
 
 
 def _load_device(cfg: PipelineConfigBase, report: Report):

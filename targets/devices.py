@@ -29,30 +29,12 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from targets.config_base import Strict
-from targets.profile import target_names
+from targets.isa import ISA_FEATURES, IsaFeature
+from targets.profile import TargetProfile, target_names
 
 DEVICE_DIR = Path(__file__).parent / "devices"
 GIB = 2**30
 
-#: ISA features a profile may name (arm64 HWCAP names, x86 /proc/cpuinfo flags)
-ISA_FEATURES: dict[str, str] = {
-    "neon": "arm64 Advanced SIMD",
-    "fp16": "arm64 half-precision arithmetic (asimdhp)",
-    "dotprod": "arm64 int8 dot product (SDOT/UDOT, asimddp): XNNPACK's int8 GEMM kernels",
-    "i8mm": "arm64 int8 matrix multiply (SMMLA): XNNPACK's faster int8/int4 GEMM kernels",
-    "bf16": "arm64 bfloat16 dot product / matrix multiply",
-    "sve": "arm64 Scalable Vector Extension",
-    "sve2": "arm64 SVE2",
-    "sme": "arm64 Scalable Matrix Extension",
-    "fma": "x86 fused multiply-add",
-    "avx2": "x86 AVX2",
-    "avx512f": "x86 AVX-512 foundation",
-    "avx512_vnni": "x86 AVX-512 VNNI (int8 dot product)",
-    "avx_vnni": "x86 AVX-VNNI (int8 dot product on 256-bit)",
-    "avx512_bf16": "x86 AVX-512 bfloat16",
-    "amx_int8": "x86 AMX int8 tiles",
-}
-IsaFeature = Literal[tuple(ISA_FEATURES)]  # type: ignore[valid-type]
 
 
 class DeviceError(ValueError):
@@ -92,6 +74,14 @@ class Cores(Strict):
         return self.big + self.mid + self.little
 
 
+class CoreModels(Strict):
+    """Each tier's core as GCC's ``-mcpu`` and QEMU's ``-cpu`` name it (``cortex-a76``), where known."""
+
+    big: str
+    mid: str | None = None
+    little: str | None = None
+
+
 class DeviceBudgets(Strict):
     """Limits beyond what the device physically has; ``None`` means no limit."""
 
@@ -109,10 +99,23 @@ class DeviceProfile(Strict):
     bandwidth: Bandwidth
     cores: Cores
     isa: list[IsaFeature] = Field(description="ISA features the runtimes' kernels can use")  # type: ignore[valid-type]
+    arch: Literal["aarch64", "x86_64"] | None = Field(
+        None, description="instruction set; left out: aarch64 where isa names neon, else x86_64")
+    arch_level: str | None = Field(
+        None, description="the oldest architecture version among the cores (armv8-a, armv8.2-a, ...): the "
+        "ISA floor every runtime build must fit; the features it implies are listed in isa")
+    core_models: CoreModels | None = Field(
+        None, description="each tier's core as GCC/QEMU name it (cortex-a76), where known")
     runtimes: dict[str, str] = Field(description="target profile name -> the runtime and backend on this device")
     budgets: DeviceBudgets = Field(default_factory=DeviceBudgets)
     measured: dict[str, str] | None = Field(
         None, description="host only: how each figure was measured on this machine, and when")
+
+    @model_validator(mode="after")
+    def _arch_from_isa(self):
+        if self.arch is None:
+            self.arch = "aarch64" if "neon" in self.isa else "x86_64"
+        return self
 
     @field_validator("runtimes")
     @classmethod
@@ -135,6 +138,18 @@ class DeviceProfile(Strict):
         if target in self.runtimes:
             return None
         return (f"device {self.name!r} does not run target {target!r}; it runs: {', '.join(self.runtimes)}")
+
+    def check_isa(self, target: TargetProfile) -> str | None:
+        """None if this device's cores have every feature the target's arm64 runtime build needs,
+        else one sentence naming the device's cores, the missing feature and what needs it."""
+        if self.arch != "aarch64":
+            return None
+        missing = [f for f in target.requires_isa_aarch64 if f not in self.isa]
+        if not missing:
+            return None
+        cores = self.cpu + (f", {self.arch_level}" if self.arch_level else "")
+        needs = "; ".join(f"{f} ({ISA_FEATURES[f]}): {target.requires_isa_aarch64[f]}" for f in missing)
+        return f"device {self.name!r} ({cores}) cannot run target {target.name!r}: its cores lack {needs}"
 
     def summary(self) -> str:
         cores = "+".join(str(n) for n in (self.cores.big, self.cores.mid, self.cores.little) if n)
@@ -224,7 +239,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
 
 
 #: /proc/cpuinfo flag -> profile ISA name
-_FLAG_NAMES = {"asimd": "neon", "asimdhp": "fp16", "asimddp": "dotprod", "i8mm": "i8mm", "bf16": "bf16",
+_FLAG_NAMES = {"asimd": "neon", "atomics": "lse", "asimdhp": "fp16", "asimddp": "dotprod", "i8mm": "i8mm", "bf16": "bf16",
                "sve": "sve", "sve2": "sve2", "sme": "sme", "fma": "fma", "avx2": "avx2", "avx512f": "avx512f",
                "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "avx512_bf16": "avx512_bf16",
                "amx_int8": "amx_int8"}
@@ -316,6 +331,8 @@ def measure_host(threads: int | None = None) -> dict:
         "bandwidth": {"theoretical_gb_s": round(bw / 1e9, 2), "practical_fraction": 1.0},
         "cores": _core_tiers(cpus),
         "isa": isa,
+        "arch": {"arm64": "aarch64"}.get(platform.machine(), platform.machine())
+        if platform.machine() in ("x86_64", "aarch64", "arm64") else None,
         "runtimes": {t: "as installed here" for t in target_names()},
         "measured": {
             "memory": "/proc/meminfo MemTotal and MemAvailable",

@@ -15,6 +15,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from targets.config_base import Strict
+from targets.isa import IsaFeature
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -50,6 +51,9 @@ class TargetProfile(Strict):
     refused_schemes: dict[str, str] = Field(
         default_factory=dict, description="scheme -> why this target refuses it"
     )
+    requires_isa_aarch64: dict[IsaFeature, str] = Field(  # type: ignore[valid-type]
+        default_factory=dict, description="arm64 ISA feature the shipped runtime build needs -> what needs it "
+        "and what happens without it; a device profile whose cores lack one is refused at validate")
     budgets: Budgets = Field(default_factory=Budgets)
     export_options: dict[str, Any] = Field(
         default_factory=dict, description="defaults for the exporter's options block"

@@ -224,3 +224,41 @@ def test_bytes_by_scheme_reads_the_exported_graph_record(tiny_llama_config):
     body = layers * (2 * h * h + 2 * h * kv + 3 * h * inter)
     assert split["8da4w"] == pytest.approx(body * (0.5 + 4 / 32), rel=1e-6)
     assert bytes_by_scheme(config, {"quantization": {"linear": {"8da8w": 3}}}) is None
+
+
+def test_a_memory_check_that_cannot_measure_fails_its_gate(tiny_cfg, monkeypatch):
+    """Without a device profile too: a child that could not measure (a full-context prefill asking
+    for more memory than the machine has, as a 262k-vocabulary head's logits did) fails the row's
+    ``memory`` gate, naming why, instead of the run ending "all gates passed" without the figure."""
+    from optimize import run_pipeline
+    from optimize.footprint.memory import MemoryFootprint
+
+    why = "the memory child exited -6 without figures: std::bad_alloc"
+    monkeypatch.setattr("optimize.export_rows.footprint", lambda path, *a, **k: MemoryFootprint(error=why))
+    tiny_cfg.update(target="onnxruntime", export={"onnxruntime": {"max_seq_len": 128}})
+    tiny_cfg["checks"].update(generate_tokens=0, memory=True)
+    report = run_pipeline(load_config(tiny_cfg), say=lambda m: None)
+    assert not report.ok
+    row = report.row("export:onnxruntime")
+    gate = next(g for g in row.gates if g.metric == "memory")
+    assert row.status == "fail" and not gate.ok and gate.value is None
+    assert gate.message == f"peak memory was not measured ({why}); checks.memory: false skips the check"
+
+
+def test_no_memory_gate_where_it_was_measured_or_not_asked_for():
+    from types import SimpleNamespace
+
+    from optimize.export_rows import _memory_gate
+    from optimize.footprint.memory import MemoryFootprint
+
+    def state(memory: bool):
+        return SimpleNamespace(cfg=SimpleNamespace(checks=SimpleNamespace(memory=memory)))
+
+    def row(mem):
+        return SimpleNamespace(metrics=SimpleNamespace(memory=mem))
+
+    measured = MemoryFootprint(artifact_bytes=1, peak_rss_bytes=2)
+    assert _memory_gate(state(True), row(measured)) == []
+    assert _memory_gate(state(False), row(MemoryFootprint(error="boom"))) == []
+    assert _memory_gate(state(False), row(None)) == []
+    assert [g.ok for g in _memory_gate(state(True), row(None))] == [False]
