@@ -1,0 +1,148 @@
+"""Speculative greedy decoding gives plain greedy decoding's tokens, with fewer forward calls where
+the drafts are right.
+
+Every equality here is exact: the same token ids as :func:`export.runtime.greedy_generate` on the
+same runner, for Llama, Qwen2 and Gemma tiny models, with the stops plain decoding has (an EOS id,
+``max_new_tokens``, a cache that fills up at ``max_seq_len``)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from export.runtime import EagerRunner, RunnerError, greedy_generate
+from export.speculative import DraftLength, NgramDrafter, SpeculativeStats, speculative_generate
+
+
+def _brute_force(ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The reference prompt lookup: scan back for the latest earlier occurrence of the last n-gram."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        tail = ids[len(ids) - n:]
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == tail:
+                return ids[start + n : start + n + k]
+    return []
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    d = NgramDrafter(max_ngram=2)
+    ctx = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6]
+    d.extend(ctx)
+    assert d.propose(ctx, 3) == [9, 2, 5]  # "5 6" last seen before the end at index 5
+    assert d.propose(ctx, 0) == []
+    assert NgramDrafter().propose([1, 2, 3], 4) == []  # nothing repeats
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_incremental_index_matches_a_scan_of_the_context(seed):
+    rng = random.Random(seed)
+    d, ctx = NgramDrafter(max_ngram=3, min_ngram=1), []
+    for _ in range(200):
+        piece = [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+        ctx += piece
+        d.extend(piece)
+        k = rng.randint(1, 6)
+        assert d.propose(ctx, k) == _brute_force(ctx, k, 3, 1), ctx[-8:]
+
+
+def test_a_drafter_not_kept_up_to_date_rebuilds_itself():
+    d = NgramDrafter()
+    assert d.propose([1, 2, 3, 1, 2], 2) == [3, 1]
+
+
+def test_the_draft_length_grows_shrinks_and_pauses():
+    dl = DraftLength(k=4, max_k=8, patience=2)
+    dl.update(4, 4)
+    assert dl.k == 6
+    dl.update(6, 0)
+    assert dl.k == 3 and dl.wanted() == 3
+    dl.update(3, 0)  # the second miss in a row: a pause of 4 steps
+    assert [dl.wanted() for _ in range(5)] == [0, 0, 0, 0, dl.k]
+    dl.update(1, 0)
+    dl.update(1, 0)  # missed again: the next pause is twice as long
+    assert sum(dl.wanted() == 0 for _ in range(9)) == 8
+    dl.update(2, 1)  # an accepted token resets the pauses
+    assert dl.next_pause == 4 and dl.misses == 0
+    with pytest.raises(ValueError):
+        DraftLength(k=9, max_k=8)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma"])
+def family_model(request):
+    from tests.conftest import TINY_CONFIGS
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_CONFIGS[request.param])
+    model_type = cfg.pop("model_type")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**cfg, "vocab_size": 512, "initializer_range": 0.2})
+    return request.param, AutoModelForCausalLM.from_config(config).eval()
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randint(3, 512, (40,), generator=g).tolist()
+    passage = torch.randint(3, 512, (12,), generator=g).tolist()
+    return [rand, passage * 3, passage + rand[:9] + passage[:6], rand[:5]]
+
+
+@pytest.mark.parametrize("max_seq_len, max_new", [(None, 48), (60, 200)])
+def test_the_same_tokens_as_plain_greedy(family_model, max_seq_len, max_new):
+    family, model = family_model
+    runner = EagerRunner(model, max_seq_len=max_seq_len)
+    total = SpeculativeStats()
+    for prompt in _prompts():
+        if max_seq_len is not None and len(prompt) >= max_seq_len:
+            continue
+        plain = greedy_generate(runner, prompt, max_new)
+        fast, stats = speculative_generate(runner, prompt, max_new)
+        assert fast == plain, (family, prompt[:6])
+        if max_seq_len is not None:  # ran until the cache was full, as plain decoding does
+            assert len(plain) == max_seq_len - len(prompt) + 1
+        total.accepted += stats.accepted
+        total.calls += stats.calls
+        total.tokens += stats.tokens
+    # the drafts were used (not a vacuous equality): tiny random models repeat themselves
+    assert total.accepted > 0 and total.tokens_per_call > 1.0, (family, total)
+
+
+def test_stops_at_an_eos_id_like_plain_greedy(family_model):
+    _, model = family_model
+    runner = EagerRunner(model)
+    prompt = _prompts()[1]
+    plain = greedy_generate(runner, prompt, 40)
+    eos = plain[len(plain) // 2]  # a token it emits mid-way
+    want = greedy_generate(runner, prompt, 40, eos_token_ids=[eos])
+    got, _ = speculative_generate(runner, prompt, 40, eos_token_ids=[eos])
+    assert got == want and got[-1] == eos and len(got) < len(plain)
+
+
+def test_tokens_stream_in_order_as_they_are_kept(family_model):
+    _, model = family_model
+    runner = EagerRunner(model)
+    seen: list[int] = []
+    out, stats = speculative_generate(runner, _prompts()[1], 30, on_token=seen.append)
+    assert seen == out and stats.tokens == len(out) == 30
+    assert set(stats.as_dict()) >= {"tokens", "calls", "drafted", "accepted", "tokens_per_call", "acceptance"}
+
+
+class _LastOnly(EagerRunner):
+    def forward(self, ids, *, all_logits=True):
+        return super().forward(ids, all_logits=False)
+
+
+class _NoCutBack(EagerRunner):
+    def truncate(self, n):
+        return False
+
+
+def test_runners_that_cannot_verify_are_refused_with_the_reason(family_model):
+    _, model = family_model
+    prompt = _prompts()[1]
+    with pytest.raises(RunnerError, match="every position's"):
+        speculative_generate(_LastOnly(model), prompt, 30)
+    with pytest.raises(RunnerError, match="cannot cut its KV cache back"):
+        # a random model rejects some draft within 200 tokens: the cut-back is needed
+        speculative_generate(_NoCutBack(model), _prompts()[0] * 2, 200, draft=DraftLength(k=8, max_k=8))
