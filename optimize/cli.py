@@ -182,7 +182,7 @@ def cmd_ls(args) -> int:
             cores = "+".join(str(n) for n in (d.cores.big, d.cores.mid, d.cores.little) if n)
             print(f"{d.name:<21} {d.memory.total_gib:>7g} {d.memory.usable_gib:>6g} {d.bandwidth.theoretical_gb_s:>6g} "
                   f"{d.bandwidth.practical_fraction:>6g} {cores:>6}  {', '.join(d.runtimes)}\n"
-                  f"{'':<21} {d.description}; ISA {', '.join(d.isa)}")
+                  f"{'':<21} {d.description}; ISA {d.arch_level + ': ' if d.arch_level else ''}{', '.join(d.isa)}")
     else:
         from targets import list_targets
 

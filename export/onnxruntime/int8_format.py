@@ -61,7 +61,7 @@ X86_FEATURES = ("fma", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf1
 
 
 def machine_of(isa: Iterable[str]) -> str:
-    """A device profile's machine, from its ISA list (profiles name features, not architectures)."""
+    """A machine from an ISA feature list (a device profile that names no ``arch``)."""
     return "x86_64" if set(isa) & set(X86_FEATURES) else "aarch64"
 
 

@@ -92,7 +92,7 @@ class OnnxRuntimeOptions(ExportOptions):
             return self
         profile = load_device(device)
         out = self.model_copy()
-        out._device_cpu = (tuple(profile.isa), machine_of(profile.isa), profile.name)
+        out._device_cpu = (tuple(profile.isa), profile.arch or machine_of(profile.isa), profile.name)
         return out
 
     def resolved_int8_format(self) -> dict:
