@@ -5,9 +5,11 @@ A drafter proposes ``k`` tokens, the target scores the last emitted token and th
 one call (``k + 1`` positions for about the weights' read of one), and the longest prefix of the
 drafts that equals the target's own greedy choice at each position is kept, plus the target's
 choice after it. Rejected positions are cut from the KV cache (:meth:`Runner.truncate`). Every
-kept token is the target's argmax given the tokens before it, so the output is plain greedy
-decoding's (:func:`export.runtime.greedy_generate`), token for token, with the same stops: an EOS
-id, ``max_new_tokens``, and a full cache.
+kept token is the target's argmax given the tokens before it, so where a position's logits do not
+depend on how many tokens a call feeds (eager fp32; tested), the output is plain greedy decoding's
+(:func:`export.runtime.greedy_generate`), token for token, with the same stops: an EOS id,
+``max_new_tokens``, and a full cache. The demo ``.pte``'s chunked calls do not give its one-token
+calls' logits (docs/executorch.md), so its verified tokens can differ from its plain ones.
 
 Drafters here: :class:`NgramDrafter` (prompt lookup: what followed the latest earlier occurrence of
 the context's last n-gram; no model, strong where the answer copies its input).

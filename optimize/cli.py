@@ -210,8 +210,7 @@ def cmd_run(args) -> int:
     from optimize.generate import generate_from_artifact
 
     generate_from_artifact(Path(args.artifact), args.prompt, max_new_tokens=args.max_new_tokens,
-                           chat=args.chat, threads=args.threads, stream=sys.stdout, runner=args.runner,
-                           speculative=args.speculative)
+                           chat=args.chat, threads=args.threads, stream=sys.stdout, runner=args.runner)
     return 0
 
 
@@ -325,10 +324,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", choices=["auto", "llm", "python"], default="auto",
                    help=".pte: ExecuTorch's C++ text runner when the program allows it (auto, the default), "
                    "always (llm: an error if it cannot), or the Python loop (python)")
-    s.add_argument("--speculative", choices=["off", "ngram"], default="off",
-                   help="ngram: prompt lookup drafts verified several at a time (the same greedy tokens, fewer "
-                   "calls where the answer copies the prompt); runs in the Python loop; a .pte needs its "
-                   "forward_all method (export.executorch.scoring_method: true)")
     s.set_defaults(fn=cmd_run)
 
     s = command("sensitivity", help="rank module groups by how much quantizing each alone costs")

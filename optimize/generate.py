@@ -17,13 +17,11 @@ from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
 from export.runtime import RunnerError, greedy_generate
-from export.speculative import speculative_generate
 from optimize.quiet import LogOutput, console
 
 log = logging.getLogger(__name__)
 
 RunnerChoice = Literal["auto", "llm", "python"]
-SpeculativeChoice = Literal["off", "ngram"]
 
 
 def _stderr(msg: str) -> None:
@@ -33,7 +31,7 @@ def _stderr(msg: str) -> None:
 def generate_from_artifact(
     artifact: Path, prompt: str, *, max_new_tokens: int = 64, chat: bool = False, threads: int | None = None,
     stream: TextIO | None | str = "stdout", runner: RunnerChoice = "auto",
-    say: Callable[[str], None] | None = _stderr, speculative: SpeculativeChoice = "off",
+    say: Callable[[str], None] | None = _stderr,
 ) -> str:
     """Greedy-generate from ``artifact`` (a .pte or .onnx with tokenizer files beside it),
     streaming text to ``stream`` as it is produced (``"stdout"``: the process's stdout at the call; None:
@@ -42,11 +40,6 @@ def generate_from_artifact(
     ``runner``: ``auto`` takes ExecuTorch's C++ runner for a .pte when it can (else logs why not and
     uses the Python loop), ``llm`` requires it (a clear error if it cannot), ``python`` skips it.
     ``say`` gets one line with the C++ runner's own timing stats.
-
-    ``speculative="ngram"`` decodes in the Python loop with prompt-lookup drafts verified several
-    tokens a call (:mod:`export.speculative`): the same tokens as plain greedy decoding of the
-    artifact, and ``say`` gets how many tokens each call produced. A ``.pte`` needs the
-    ``forward_all`` method (exported with ``scoring_method: true``).
 
     What the native runtimes print themselves (ExecuTorch's cpuinfo lines on file descriptor 2, the
     C++ runner's newline on 1) never reaches the caller's streams: it is kept apart while they run
@@ -59,7 +52,7 @@ def generate_from_artifact(
     os.close(fd)
     try:
         with LogOutput(native_log):
-            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say, speculative)
+            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say)
     finally:
         if stream is not None:
             try:
@@ -88,19 +81,13 @@ def _own_stdout(stream: TextIO) -> TextIO:
 
 
 def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, threads: int | None,
-              stream: TextIO | None, runner: RunnerChoice, say: Callable[[str], None] | None,
-              speculative: SpeculativeChoice = "off") -> str:
+              stream: TextIO | None, runner: RunnerChoice, say: Callable[[str], None] | None) -> str:
     from transformers import AutoTokenizer
 
     if not artifact.exists():  # a file, or an export directory its exporter recognises (onnxruntime-genai)
         raise FileNotFoundError(f"artifact not found: {artifact}")
     if runner not in ("auto", "llm", "python"):
         raise ValueError(f"runner must be auto, llm or python, got {runner!r}")
-    if speculative not in ("off", "ngram"):
-        raise ValueError(f"speculative must be off or ngram, got {speculative!r}")
-    if speculative != "off" and runner == "llm":
-        raise ValueError("speculative decoding runs in the Python loop; ExecuTorch's C++ runner (runner llm) "
-                         "decodes one token a step")
     try:
         tok = AutoTokenizer.from_pretrained(artifact if artifact.is_dir() else artifact.parent, local_files_only=True)
     except Exception as exc:
@@ -133,7 +120,7 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             stream.write(piece)
             stream.flush()
 
-    if runner != "python" and speculative == "off":
+    if runner != "python":
         done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm")
         if done is not None:
             answer, timing = done
@@ -156,10 +143,7 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
         elif not printed.startswith(now):
             printed = now  # the decoded text changed under what was shown (a multi-byte character completed)
 
-    if speculative == "off":
-        greedy_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
-    else:
-        _speculate(loaded, artifact, ids, max_new_tokens, eos, on_token, say)
+    greedy_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
     if stream is not None:
         stream.write("\n")
     return tok.decode(produced, skip_special_tokens=True)
@@ -203,25 +187,6 @@ def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int
     answer = (tok.decode([i for i in gen.ids if i is not None], skip_special_tokens=True) if None not in gen.ids
               else gen.text)
     return answer, timing
-
-
-def _speculate(loaded, artifact: Path, ids: list[int], max_new_tokens: int, eos: list[int],
-               on_token: Callable[[int], None], say: Callable[[str], None] | None) -> None:
-    """Prompt-lookup speculative decoding through the runner that returns every position's logits."""
-    import time
-
-    verifier = loaded.scoring_runner()
-    if not getattr(verifier, "all_positions", True):
-        raise RunnerError(f"{artifact.name} returns only the last position's logits and has no forward_all "
-                          "method to verify drafts with; export it with export.executorch.scoring_method: true "
-                          "(or decode with --speculative off)")
-    t0 = time.perf_counter()
-    out, stats = speculative_generate(verifier, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
-    wall = time.perf_counter() - t0
-    if say is not None:
-        drafts = f"{stats.accepted}/{stats.drafted} drafted tokens accepted" if stats.drafted else "no drafts found"
-        say(f"speculative (ngram): {len(out)} tokens in {stats.calls} calls after the prefill "
-            f"({stats.tokens_per_call:.2f} a call), {drafts}; {len(out) / wall:.1f} tok/s with the prefill")
 
 
 def _rate(x: float | None) -> str:

@@ -318,14 +318,3 @@ def test_noise_filter_drops_library_chatter_but_never_our_own_warnings():
     assert noise.filter(record("torchao", "something else"))
     assert noise.filter(record("optimize.generate", "using the Python loop instead: Failed to load tokenizer"))
     assert noise.filter(record("export.executorch.runner", "Failed to load x"))
-
-
-def test_run_takes_a_speculative_mode():
-    from optimize.cli import build_parser
-
-    args = build_parser().parse_args(["run", "m.pte", "--prompt", "x", "--speculative", "ngram"])
-    assert args.speculative == "ngram"
-    assert build_parser().parse_args(["run", "m.pte", "--prompt", "x"]).speculative == "off"
-    with pytest.raises(SystemExit) as err:
-        build_parser().parse_args(["run", "m.pte", "--prompt", "x", "--speculative", "draft"])
-    assert err.value.code == 2

@@ -11,7 +11,6 @@ import torch
 
 from export.executorch.exporter import ExecuTorchExporter
 from export.executorch.runner import SCORING_METHOD, ExecuTorchRunner
-from export.runtime import RunnerError
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256, tie_word_embeddings=True,
@@ -93,30 +92,3 @@ def test_a_ring_cache_is_not_cut_back(tmp_path):
     r.reset()
     r.forward(_ids(30), all_logits=False)
     assert r.truncate(10) is False and r.position == 30
-
-
-# ---- speculative decoding verifies its drafts with forward_all (export/speculative.py)
-
-
-def test_optimize_run_speculative_prints_the_same_answer(scored):
-    from optimize.generate import generate_from_artifact
-
-    pte = scored[1].artifact
-    said: list[str] = []
-    kw = dict(max_new_tokens=40, stream=None, runner="python")
-    plain = generate_from_artifact(pte, "the cat sat on the mat. the cat sat on the", say=said.append, **kw)
-    fast = generate_from_artifact(pte, "the cat sat on the mat. the cat sat on the", say=said.append,
-                                  speculative="ngram", **kw)
-    assert fast == plain
-    assert len(said) == 1 and said[0].startswith("speculative (ngram): ")
-    with pytest.raises(ValueError, match="Python loop"):
-        generate_from_artifact(pte, "hi", stream=None, runner="llm", speculative="ngram")
-
-
-def test_a_program_without_forward_all_is_refused_with_what_to_export(scored, monkeypatch):
-    from optimize.generate import generate_from_artifact
-
-    pte = scored[1].artifact
-    monkeypatch.setattr(ExecuTorchRunner, "scoring_runner", lambda self: self)
-    with pytest.raises(RunnerError, match="scoring_method: true"):
-        generate_from_artifact(pte, "hi", stream=None, runner="python", speculative="ngram", say=None)

@@ -1,0 +1,231 @@
+"""Speculative decoding with prompt lookup against plain decoding of the same .pte, in one run.
+
+Our demo .pte (the stages and export options of ``examples/smollm2.yaml``, plus ``scoring_method:
+true`` for the ``forward_all`` method that verifies drafts) decodes every prompt of three sets
+built from text the project ships, plainly and with ``--speculative ngram``
+(:mod:`export.speculative`), round-robin within each round:
+
+- **extraction**: a passage of CPython's bundled documentation (``pydoc_data.topics``) or the source
+  of a standard-library function, and an instruction whose answer copies spans of it (quote,
+  repeat a list, fill a form, edit one line of the function);
+- **summary**: the same kind of passage, summarised;
+- **chat**: open questions without a passage.
+
+Per set: decode tokens/s (generated tokens after the first over the time after the prefill),
+tokens per call, drafts accepted, the ratio to plain decoding of the same program paired within
+each round (``plain`` is the program's ``forward``, the path the project ships), and whether every
+output equals plain greedy decoding. With ``--with-optimum`` the peer's 8da4w .pte (optimum-executorch,
+built in its own venv by ``bench/executorch.py``'s helpers; about 11 minutes the first time) decodes
+the same prompts plainly, and its ratio is reported too.
+
+    flock /tmp/heavy.lock .venv/bin/python bench/speculative.py [--rounds 3] [--with-optimum]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("MKL_NUM_THREADS", "1")  # MKL serial beside ExecuTorch's workers (export/executorch/blas_threads.py)
+import torch  # noqa: E402
+
+THREADS = 2
+MAX_NEW = 96
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _passages(n: int, start: int = 40, chars: int = 700) -> list[str]:
+    """``n`` passages of CPython's bundled documentation (the project's reference text)."""
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)[start:]
+    out = []
+    for k in keys:
+        text = " ".join(topics[k].split())
+        if len(text) >= chars:
+            out.append(text[:chars].rsplit(". ", 1)[0] + ".")
+        if len(out) == n:
+            break
+    return out
+
+
+def _functions(n: int) -> list[str]:
+    """The source of ``n`` short standard-library functions."""
+    import json as js
+    import shlex
+    import textwrap as tw
+
+    import fnmatch
+    import posixpath
+
+    out = []
+    for fn in (shlex.quote, tw.dedent, fnmatch.translate, posixpath.commonprefix, tw.indent, js.dumps):
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):  # a build without that module's source
+            continue
+        if len(src) < 2500:
+            out.append(src)
+        if len(out) == n:
+            break
+    return out
+
+
+def prompt_sets() -> dict[str, list[str]]:
+    p = _passages(6)
+    f = _functions(3)
+    extraction = [
+        f"Passage:\n{p[0]}\n\nQuote the passage's first two sentences exactly.",
+        f"Passage:\n{p[1]}\n\nRepeat the passage word for word.",
+        f"Passage:\n{p[2]}\n\nList every Python keyword or name that appears in the passage, one per line.",
+        f"Passage:\n{p[3]}\n\nFill in this form from the passage.\nTopic:\nFirst sentence:\nLast sentence:",
+        f"```python\n{f[0]}```\n\nRewrite this function with its first line changed to use two-space indentation. "
+        "Output the whole function.",
+        f"```python\n{f[1]}```\n\nCopy this function exactly, adding the comment `# checked` after its first line.",
+    ]
+    summary = [f"Passage:\n{x}\n\nSummarize the passage in two sentences." for x in p[4:6]] + \
+              [f"```python\n{f[2]}```\n\nExplain briefly what this function does."]
+    chat = ["What is the capital of France, and what is it known for?",
+            "Give three tips for writing clear emails.",
+            "Why is the sky blue? Answer in a short paragraph."]
+    return {"extraction": extraction, "summary": summary, "chat": chat}
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def decode_plain(runner, ids: list[int], eos: list[int]) -> tuple[list[int], float, dict]:
+    """Greedy decode; returns (tokens, decode seconds after the prefill, stats)."""
+    from export.runtime import greedy_generate
+
+    runner.reset()
+    _, prefill_s = _timed(lambda: runner.forward(torch.tensor(ids), all_logits=False))
+    out, total = _timed(lambda: greedy_generate(runner, ids, MAX_NEW, eos_token_ids=eos))
+    return out, max(total - prefill_s, 1e-9), {"calls": max(len(out) - 1, 0)}
+
+
+def decode_speculative(runner, ids: list[int], eos: list[int]) -> tuple[list[int], float, dict]:
+    from export.speculative import speculative_generate
+
+    runner.reset()
+    _, prefill_s = _timed(lambda: runner.forward(torch.tensor(ids), all_logits=False))
+    (out, stats), total = _timed(lambda: speculative_generate(runner, ids, MAX_NEW, eos_token_ids=eos))
+    return out, max(total - prefill_s, 1e-9), stats.as_dict()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over every prompt and decoder")
+    ap.add_argument("--with-optimum", action="store_true", help="add optimum-executorch's 8da4w .pte, decoding plainly")
+    ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench_executorch"),
+                    help="exports (shared with bench/executorch.py) and the peer's venv")
+    ap.add_argument("--output", type=Path, default=Path("/tmp/bench_speculative.txt"), help="table (and .json beside it)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    from bench.executorch import export_ours, export_peer, our_recipes
+    from export.executorch.runner import ExecuTorchRunner, set_threads
+    from optimize.config import load_config
+    from targets.sources import BundledSource, bundled_gguf_path, convert_gguf, load_model
+    from targets.sources.corpus import load_text, split_corpus, tokenize
+    from targets.sources.corpus import windows as cut
+
+    t_all = time.perf_counter()
+    lm = load_model(BundledSource(name="smollm2-135m"))
+    tok = lm.tokenizer
+    stages, opts = our_recipes()["demo"]
+    data = load_config(HERE.parent / "examples" / "smollm2.yaml", check_files=False).data
+    ids_all = tokenize(load_text("pydoc"), tok)
+    calib = cut(split_corpus(ids_all, eval_tokens=4096, calib_tokens=data.calibration_tokens).calib_ids, data.seq_len)
+    pte, _ = export_ours("demo-scoring", stages, {**opts, "scoring_method": True}, lm, calib, args.cache_dir)
+    set_threads(THREADS)
+    plain = ExecuTorchRunner(pte, threads=THREADS)
+    verifier = plain.scoring_runner()
+    decoders = {"plain": (plain, decode_plain), "ngram": (verifier, decode_speculative)}
+    if args.with_optimum:
+        peer_pte, _ = export_peer(convert_gguf(bundled_gguf_path("smollm2-135m")), args.cache_dir)
+        decoders["peer"] = (ExecuTorchRunner(peer_pte, threads=THREADS), decode_plain)
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+
+    sets = prompt_sets()
+    def encode(prompt: str) -> list[int]:  # as optimize run --chat does
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    encoded = {name: [encode(p) for p in prompts] for name, prompts in sets.items()}
+    # samples[set][decoder] -> per round: (tokens, seconds); stats and outputs from the first round
+    samples = {s: {d: [] for d in decoders} for s in sets}
+    stats = {s: {d: [] for d in decoders} for s in sets}
+    outputs: dict[tuple[str, int, str], list[int]] = {}
+    for r in range(args.rounds):
+        log(f"round {r + 1}/{args.rounds}")
+        for s, prompts in encoded.items():
+            tot = {d: [0, 0.0] for d in decoders}
+            for i, ids in enumerate(prompts):
+                order = list(decoders) if (r + i) % 2 == 0 else list(reversed(decoders))
+                for d in order:
+                    runner, fn = decoders[d]
+                    out, secs, st = fn(runner, ids, eos)
+                    tot[d][0] += max(len(out) - 1, 0)
+                    tot[d][1] += secs
+                    if r == 0:
+                        outputs[(s, i, d)] = out
+                        stats[s][d].append(st)
+            for d in decoders:
+                samples[s][d].append(tot[d][0] / tot[d][1])
+    lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, our demo .pte with forward_all ({pte}), {THREADS} threads, "
+             f"{MAX_NEW} new tokens at most per prompt (greedy, EOS stops), chat template; decode tok/s = generated "
+             f"tokens after the first / time after the prefill; {args.rounds} round-robin rounds, median; x plain = "
+             "the ratio within each round, median.", "",
+             "| set | prompts | decoder | decode tok/s | x plain | tokens/call | drafts accepted | same tokens as plain |",
+             "|---|---:|---|---:|---:|---:|---:|---|"]
+    result = {}
+    for s in sets:
+        for d in decoders:
+            rate = statistics.median(samples[s][d])
+            ratio = statistics.median(a / b for a, b in zip(samples[s][d], samples[s]["plain"]))
+            same = all(outputs[(s, i, d)] == outputs[(s, i, "plain")] for i in range(len(sets[s])))
+            st = stats[s][d]
+            calls = sum(x.get("calls", 0) for x in st)
+            toks = sum(len(outputs[(s, i, d)]) for i in range(len(sets[s])))
+            drafted = sum(x.get("drafted", 0) for x in st)
+            accepted = sum(x.get("accepted", 0) for x in st)
+            tpc = (toks - len(sets[s])) / calls if calls else None  # after the prefill's token
+            acc = f"{accepted}/{drafted}" if d == "ngram" else "-"
+            tpc_s = f"{tpc:.2f}" if tpc else "-"
+            same_s = "n/a (another model)" if d == "peer" else ("yes" if same else "NO")
+            lines.append(f"| {s} | {len(sets[s])} | {d} | {rate:.1f} | {ratio:.2f} | {tpc_s} | {acc} | {same_s} |")
+            result[f"{s}/{d}"] = {"decode_tok_s": rate, "x_plain": ratio, "tokens_per_call": tpc,
+                                  "drafted": drafted, "accepted": accepted, "same_as_plain": same,
+                                  "samples": samples[s][d]}
+    lines += ["", f"Wall time {time.perf_counter() - t_all:.0f} s; load avg {os.getloadavg()[0]:.1f} at the end."]
+    text = "\n".join(lines)
+    print(text)
+    args.output.write_text(text + "\n")
+    args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    bad = [k for k, v in result.items() if not v["same_as_plain"] and not k.endswith("/peer")]
+    if bad:
+        print(f"error: outputs differ from plain greedy decoding: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
