@@ -123,6 +123,19 @@ class Runner(abc.ABC):
         pass
 
 
+def checked_prompt(runner: Runner, prompt_ids: Iterable[int] | torch.Tensor, caller: str) -> torch.Tensor:
+    """A generation prompt as a 1-D LongTensor, refused when empty or when it leaves no room in the
+    runner's cache for a generated token (the same words for every decoding loop)."""
+    ids = torch.as_tensor(list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids,
+                          dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError(f"{caller} needs a non-empty prompt")
+    limit = runner.max_seq_len
+    if limit is not None and ids.numel() >= limit:
+        raise ValueError(f"prompt of {ids.numel()} tokens does not fit max_seq_len={limit}")
+    return ids
+
+
 def greedy_generate(
     runner: Runner,
     prompt_ids: Iterable[int] | torch.Tensor,
@@ -136,14 +149,9 @@ def greedy_generate(
     Stops early on an EOS id or when the runner's ``max_seq_len`` is reached.
     ``on_token`` is called with each new id as it is produced (for streaming output).
     """
-    ids = torch.as_tensor(list(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids,
-                          dtype=torch.long).reshape(-1)
-    if ids.numel() == 0:
-        raise ValueError("greedy_generate needs a non-empty prompt")
+    ids = checked_prompt(runner, prompt_ids, "greedy_generate")
     eos = set(int(e) for e in eos_token_ids)
     limit = runner.max_seq_len
-    if limit is not None and ids.numel() >= limit:
-        raise ValueError(f"prompt of {ids.numel()} tokens does not fit max_seq_len={limit}")
     runner.reset()
     logits = runner.forward(ids, all_logits=False)
     out: list[int] = []

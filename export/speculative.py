@@ -22,12 +22,12 @@ dictionary lookup per token.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Protocol
 
 import torch
 
-from export.runtime import Runner, RunnerError
+from export.runtime import Runner, RunnerError, checked_prompt
 
 
 class Drafter(Protocol):
@@ -121,14 +121,14 @@ class DraftLength:
 
 @dataclass
 class SpeculativeStats:
-    """What the drafts did: verification calls, tokens drafted and accepted, plain steps taken."""
+    """What the drafts did: forward calls after the prefill, those that verified drafts, tokens
+    drafted and accepted."""
 
     tokens: int = 0
     calls: int = 0
     verify_calls: int = 0
     drafted: int = 0
     accepted: int = 0
-    acceptance_by_call: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_call(self) -> float:
@@ -137,7 +137,6 @@ class SpeculativeStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.pop("acceptance_by_call")
         d["tokens_per_call"] = round(self.tokens_per_call, 3)
         d["acceptance"] = round(self.accepted / self.drafted, 3) if self.drafted else None
         return d
@@ -158,12 +157,8 @@ def speculative_generate(
 
     The runner must return every fed position's logits (``forward(..., all_logits=True)``) and cut
     its cache back exactly (``truncate``); a runner that cannot is refused with the reason."""
-    ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-    if not ids:
-        raise ValueError("speculative_generate needs a non-empty prompt")
+    ids = checked_prompt(runner, prompt_ids, "speculative_generate").tolist()
     limit = runner.max_seq_len
-    if limit is not None and len(ids) >= limit:
-        raise ValueError(f"prompt of {len(ids)} tokens does not fit max_seq_len={limit}")
     drafter = drafter if drafter is not None else NgramDrafter()
     draft = draft if draft is not None else DraftLength()
     eos = {int(e) for e in eos_token_ids}
@@ -208,17 +203,11 @@ def speculative_generate(
             stats.verify_calls += 1
             stats.drafted += len(proposal)
             stats.accepted += accepted
-            stats.acceptance_by_call.append(accepted)
         draft.update(len(proposal), accepted)
         if accepted < len(proposal) and not runner.truncate(fed + 1 + accepted):
             raise RunnerError(f"{runner.runtime} cannot cut its KV cache back exactly (a ring cache?): "
                               "speculative decoding needs it; decode plainly")
-        stopped = False
-        for t in proposal[:accepted]:
-            if not emit(t):
-                stopped = True
-                break
-        if stopped:
+        if not all(emit(t) for t in proposal[:accepted]):  # all() stops at the first token that ends it
             break
         nxt = int(choice[accepted])
     stats.tokens = len(out)

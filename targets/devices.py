@@ -29,7 +29,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from targets.config_base import Strict
-from targets.isa import ISA_FEATURES, IsaFeature
+from targets.isa import ISA_FEATURES, IsaFeature, arch_of
 from targets.profile import TargetProfile, target_names
 
 DEVICE_DIR = Path(__file__).parent / "devices"
@@ -100,7 +100,7 @@ class DeviceProfile(Strict):
     cores: Cores
     isa: list[IsaFeature] = Field(description="ISA features the runtimes' kernels can use")  # type: ignore[valid-type]
     arch: Literal["aarch64", "x86_64"] | None = Field(
-        None, description="instruction set; left out: aarch64 where isa names neon, else x86_64")
+        None, description="instruction set; left out: x86_64 where isa names an x86-only feature, else aarch64")
     arch_level: str | None = Field(
         None, description="the oldest architecture version among the cores (armv8-a, armv8.2-a, ...): the "
         "ISA floor every runtime build must fit; the features it implies are listed in isa")
@@ -114,7 +114,7 @@ class DeviceProfile(Strict):
     @model_validator(mode="after")
     def _arch_from_isa(self):
         if self.arch is None:
-            self.arch = "aarch64" if "neon" in self.isa else "x86_64"
+            self.arch = arch_of(self.isa)
         return self
 
     @field_validator("runtimes")

@@ -29,3 +29,12 @@ ISA_FEATURES: dict[str, str] = {
     "amx_int8": "x86 AMX int8 tiles",
 }
 IsaFeature = Literal[tuple(ISA_FEATURES)]  # type: ignore[valid-type]
+
+#: ISA features only x86 has: a profile naming one is an x86 CPU
+X86_FEATURES = ("fma", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+
+
+def arch_of(isa) -> str:
+    """The instruction set of a feature list that names none: x86_64 where it has an x86-only
+    feature, else aarch64."""
+    return "x86_64" if set(isa) & set(X86_FEATURES) else "aarch64"

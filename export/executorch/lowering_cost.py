@@ -24,7 +24,8 @@ lowers several families both ways and compares the bytes):
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+import functools
+from typing import Iterator
 
 import torch
 
@@ -45,21 +46,24 @@ def _op_names(graph: torch.fx.Graph) -> set[str]:
     return {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
 
 
-def _pattern_graphs() -> dict[str, Callable[[], list[torch.fx.GraphModule]]]:
-    """pass class name -> the pattern graphs its subgraph matcher looks for."""
+@functools.cache
+def _pattern_ops(pass_name: str) -> tuple[frozenset[str], ...] | None:
+    """The operators of each pattern graph the pass's subgraph matcher looks for (read once, not per
+    delegate), or None for a pass that matches no patterns."""
     from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
 
-    return {"ConvertToUpsampleBilinear2d": bilinear_2d.get_graphs, "ConvertToSDPAPass": sdpa.get_graphs}
+    graphs = {"ConvertToUpsampleBilinear2d": bilinear_2d.get_graphs, "ConvertToSDPAPass": sdpa.get_graphs}.get(pass_name)
+    return None if graphs is None else tuple(frozenset(_op_names(g.graph)) for g in graphs())
 
 
 def may_apply(pass_name: str, present: set[str]) -> bool:
     """False only when the pass can change nothing in a graph whose operators are ``present``."""
     if pass_name in _OPERATORS:
         return bool(_OPERATORS[pass_name] & present)
-    patterns = _pattern_graphs().get(pass_name)
+    patterns = _pattern_ops(pass_name)
     if patterns is None:
         return True
-    return any(_op_names(p.graph) <= present for p in patterns())
+    return any(ops <= present for ops in patterns)
 
 
 @contextlib.contextmanager

@@ -56,15 +56,6 @@ def host_u8s8_saturates() -> bool:
     return u8s8_saturates(host_isa(), platform.machine())
 
 
-#: ISA features (profile names) only x86 has: a profile naming one is an x86 CPU
-X86_FEATURES = ("fma", "avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-
-
-def machine_of(isa: Iterable[str]) -> str:
-    """A machine from an ISA feature list (a device profile that names no ``arch``)."""
-    return "x86_64" if set(isa) & set(X86_FEATURES) else "aarch64"
-
-
 def resolve_int8_format(option: str, isa: Iterable[str] | None = None, machine: str | None = None,
                         where: str | None = None) -> dict:
     """``{"format": "u8s8"|"u8u8", "why": ...}`` for the option; ``auto`` asks ``isa``/``machine``

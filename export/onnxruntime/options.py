@@ -14,7 +14,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from export.base import ExportOptions
 from export.onnxruntime.genai_builder import FUSED_ARCHITECTURES, builder_problems
-from export.onnxruntime.int8_format import Int8Format, machine_of, resolve_int8_format
+from export.onnxruntime.int8_format import Int8Format, resolve_int8_format
 from targets.devices import load_device
 
 __all__ = ["DYNAMO_MODEL_TYPES", "FUSED_MODEL_TYPES", "OnnxRuntimeOptions", "SUPPORTED_MODEL_TYPES"]
@@ -92,7 +92,7 @@ class OnnxRuntimeOptions(ExportOptions):
             return self
         profile = load_device(device)
         out = self.model_copy()
-        out._device_cpu = (tuple(profile.isa), profile.arch or machine_of(profile.isa), profile.name)
+        out._device_cpu = (tuple(profile.isa), profile.arch, profile.name)
         return out
 
     def resolved_int8_format(self) -> dict:
