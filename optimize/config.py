@@ -213,6 +213,10 @@ def _resolve_relative_paths(data: dict, base: Path) -> None:
     if isinstance(d, dict) and isinstance(d.get("corpus"), str) and d["corpus"] != "pydoc":
         if not Path(d["corpus"]).is_absolute():
             d["corpus"] = str((base / d["corpus"]).resolve())
+    tasks = (data.get("checks") or {}).get("tasks") if isinstance(data.get("checks"), dict) else None
+    if isinstance(tasks, dict) and isinstance(tasks.get("include_path"), list):
+        tasks["include_path"] = [str((base / p).resolve()) if isinstance(p, str) and not Path(p).is_absolute() else p
+                                 for p in tasks["include_path"]]
     dev = data.get("device_profile")
     if isinstance(dev, str) and dev.endswith((".yaml", ".yml")) and not Path(dev).is_absolute():
         data["device_profile"] = str((base / dev).resolve())

@@ -91,16 +91,36 @@ def _device_problems(cfg) -> list[tuple[str, str]]:
 
 
 def _task_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
-    """checks.tasks: rows that name no row of this run, task gates on unscored tasks, missing packages."""
+    """checks.tasks: rows that name no row of this run, task gates on unscored tasks or metrics, and
+    (``check_files``) every named task built as the run will build it: an unknown name, data that is
+    not on this machine, a user's YAML lm-eval cannot read, missing packages."""
     tasks = cfg.checks.tasks
     problems: list[tuple[str, str]] = []
+    entries = None
+    if check_files and tasks.enabled:
+        missing = missing_packages()
+        problems += [("checks.tasks", msg) for msg in missing]
+        if not missing:
+            from optimize.tasks.catalog import check_tasks
+
+            entries, found = check_tasks(tasks.names, tasks.include_path)
+            problems += [("checks.tasks.names", msg) for msg in found]
     gated = [("gates.tasks", cfg.gates.tasks)] + [(f"stages.{i}.gates.tasks", s.gates.tasks if s.gates else None)
                                                   for i, s in enumerate(cfg.stages)]
+    members = {m: e for e in (entries or {}).values() if e.named for m in [*e.tasks, *e.groups]}
     for where, goals in gated:
-        missing = [t for t in goals or {} if t not in tasks.names]
+        scored = set(tasks.names) | set(members)
+        missing = [t for t in goals or {} if t not in scored]
         if missing:
             problems.append((where, f"gate on {', '.join(missing)}, which checks.tasks.names does not score "
-                             f"(it scores: {', '.join(tasks.names) or 'nothing'})"))
+                             f"(it scores: {', '.join(tasks.names) or 'nothing'}"
+                             + (" and their members" if members else "") + ")"))
+        for t, goal in (goals or {}).items():
+            e = (entries or {}).get(t)
+            if goal.metric and e is not None and e.kind == "task" and e.metrics \
+                    and goal.metric.split(",", 1)[0] not in e.metrics:
+                problems.append((f"{where}.{t}.metric", f"{t} has no metric {goal.metric!r}; "
+                                 f"it has: {', '.join(e.metrics)}"))
         relative = [t for t, g in (goals or {}).items() if g.threshold is None]
         if relative and tasks.names and "baseline" not in tasks.rows:
             problems.append((where, f"{', '.join(relative)}: max_degradation / max_pct_degradation compare with "
@@ -118,8 +138,6 @@ def _task_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
                              + ", ".join(s.label(i) for i, s in enumerate(cfg.stages)) + ", export"))
     if "export" in tasks.rows and cfg.target is None and "rows" in tasks.model_fields_set:
         problems.append(("checks.tasks.rows", "'export' is selected but the run has no target, so nothing is exported"))
-    if check_files:
-        problems += [("checks.tasks", msg) for msg in missing_packages()]
     return problems
 
 

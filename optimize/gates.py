@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from optimize.gates_config import GATE_METRICS, GateResult, GatesConfig, MetricGoal
+from optimize.gates_config import GATE_METRICS, GateResult, GatesConfig, MetricGoal, TaskGoal
 from optimize.report import Metrics
 
 
@@ -33,40 +33,50 @@ def _check(metric: str, goal: MetricGoal, value: float | None, base: float | Non
     return GateResult(metric=metric, goal=goal.model_dump(exclude_none=True), value=value, baseline=base, ok=ok, message=msg)
 
 
-def _check_task(task: str, goal: MetricGoal, metrics: Metrics, baseline: Metrics) -> GateResult:
-    """A task goal on its headline metric in accuracy points; the message names the task, the figures,
-    the items they rest on and their standard error."""
+def _fmt_task(v: float, unit: str) -> str:
+    return f"{v:.1f}" if unit == "points" else f"{v:.4g}"
+
+
+def _check_task(task: str, goal: TaskGoal, metrics: Metrics, baseline: Metrics) -> GateResult:
+    """A task goal on one of its metrics (the headline unless the goal names one) in the metric's own
+    units; the message names the task, the figures, the items they rest on and their standard error."""
+    from optimize.tasks.scores import unit_of
+
     score = (metrics.tasks or {}).get(task)
     base = (baseline.tasks or {}).get(task) if baseline is not None else None
-    name = f"tasks.{task}"
+    name = f"tasks.{task}" + (f".{goal.metric}" if goal.metric else "")
     goal_d = goal.model_dump(exclude_none=True)
-    if score is None or score.score is None:
-        return GateResult(metric=name, goal=goal_d, value=None, baseline=base.score if base else None, ok=False,
-                          message=f"{task} was not scored on this row, so its gate cannot pass")
-    value, metric = score.score, score.metric
+    key = score.find(goal.metric) if score is not None else None
+    base_v = base.value(base.find(goal.metric)) if base is not None and base.find(goal.metric) else None
+    if score is None or key is None or score.value(key) is None:
+        what = f"{task} {goal.metric}" if goal.metric and score is not None else task
+        return GateResult(metric=name, goal=goal_d, value=None, baseline=base_v, ok=False,
+                          message=f"{what} was not scored on this row, so its gate cannot pass"
+                          + (f" (it has: {', '.join(score.metrics)})" if score is not None and score.metrics else ""))
+    value, unit, higher = score.value(key), unit_of(key), score.better_high(key)
+    u = " points" if unit == "points" else (f" {unit}" if unit else "")
     on = f"{score.items} items" + (f" (limit of {score.split_items})" if score.items < score.split_items else "")
-    err = f" ± {score.score_stderr:.1f}" if score.score_stderr is not None else ""
+    err = score.value_stderr(key)
+    err_s = f" ± {_fmt_task(err, unit)}" if err is not None else ""
     if goal.threshold is not None:
-        ok = value >= goal.threshold
-        msg = (f"{task} {metric} {value:.1f}{err} points on {on} {'meets' if ok else 'misses'} "
-               f"threshold >= {goal.threshold:g}")
-        return GateResult(metric=name, goal=goal_d, value=value, baseline=base.score if base else None, ok=ok,
-                          message=msg)
-    if base is None or base.score is None:
+        ok = value >= goal.threshold if higher else value <= goal.threshold
+        msg = (f"{task} {key} {_fmt_task(value, unit)}{err_s}{u} on {on} {'meets' if ok else 'misses'} "
+               f"threshold {'>=' if higher else '<='} {goal.threshold:g}")
+        return GateResult(metric=name, goal=goal_d, value=value, baseline=base_v, ok=ok, message=msg)
+    if base_v is None:
         return GateResult(metric=name, goal=goal_d, value=value, baseline=None, ok=False,
                           message=f"{task}: no baseline score to compare with (score the baseline row: "
                           "checks.tasks.rows must include 'baseline')")
-    worse = base.score - value
+    worse = (base_v - value) if higher else (value - base_v)
+    head = f"{task} {key} {_fmt_task(value, unit)}{err_s} vs baseline {_fmt_task(base_v, unit)}{u} on {on}"
     if goal.max_degradation is not None:
         ok = worse <= goal.max_degradation
-        msg = (f"{task} {metric} {value:.1f}{err} vs baseline {base.score:.1f} points on {on}: "
-               f"worsened by {worse:.1f} points (allowed {goal.max_degradation:g})")
+        msg = f"{head}: worsened by {_fmt_task(worse, unit)}{u} (allowed {goal.max_degradation:g})"
     else:
-        pct = 100.0 * worse / abs(base.score) if base.score else float("inf")
+        pct = 100.0 * worse / abs(base_v) if base_v else float("inf")
         ok = pct <= goal.max_pct_degradation
-        msg = (f"{task} {metric} {value:.1f}{err} vs baseline {base.score:.1f} points on {on}: "
-               f"worsened by {pct:.2f}% (allowed {goal.max_pct_degradation:g}%)")
-    return GateResult(metric=name, goal=goal_d, value=value, baseline=base.score, ok=ok, message=msg)
+        msg = f"{head}: worsened by {pct:.2f}% (allowed {goal.max_pct_degradation:g}%)"
+    return GateResult(metric=name, goal=goal_d, value=value, baseline=base_v, ok=ok, message=msg)
 
 
 def evaluate_gates(gates: GatesConfig, metrics: Metrics, baseline: Metrics) -> list[GateResult]:

@@ -149,17 +149,31 @@ def greedy_compare(eager: Runner, runner: Runner, state: RunState) -> dict:
 
 
 def score_tasks(state: RunState, runner: Runner, details: dict, model: torch.nn.Module | None = None) -> dict:
-    """checks.tasks on one row, in the runner's runtime: ``{task: TaskScore}``; what ran goes in
-    ``details["tasks"]`` (lm-eval version, runner calls, tokens fed, seconds)."""
+    """checks.tasks on one row, in the runner's runtime: ``{task or group: TaskScore}`` (each named one
+    followed by its members); what ran goes in ``details["tasks"]`` (lm-eval version, runner calls,
+    tokens fed, tokens reused from a shared prefix, tokens generated, seconds)."""
     tc = state.cfg.checks.tasks
     max_length = tc.max_length or runner.max_seq_len
-    if max_length is None and model is not None:  # eager: the model's own context, as lm-eval's HF model reads it
-        max_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    config = getattr(model, "config", None) if model is not None else None
+    if max_length is None and config is not None:  # eager: the model's own context, as lm-eval's HF model reads it
+        max_length = getattr(config, "max_position_embeddings", None)
+    eos = _eos_ids(state, model)
     with torch_threads(state.cfg.checks.latency.threads):
-        scores, facts = evaluate_tasks(runner, state.tokenizer, tc.names, limit=tc.limit, num_fewshot=tc.num_fewshot,
-                                       max_length=max_length)
+        scores, facts = evaluate_tasks(runner, state.tokenizer, tc.names, include_path=tc.include_path,
+                                       limit=tc.limit, num_fewshot=tc.num_fewshot, max_length=max_length,
+                                       eos_token_ids=eos)
     details["tasks"] = facts
     return {s.task: s for s in scores}
+
+
+def _eos_ids(state: RunState, model: torch.nn.Module | None) -> list[int]:
+    """Ids that end a generation: the tokenizer's EOS and the model's generation_config EOS ids (what
+    lm-eval's HFLM stops on through ``generate``)."""
+    ids = [state.tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None) if model is not None else None
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids += list(extra) if isinstance(extra, (list, tuple)) else [extra]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 def score_row_tasks(state: RunState, row: StageRow, model: torch.nn.Module, runner: Runner | None = None) -> None:
@@ -172,8 +186,8 @@ def score_row_tasks(state: RunState, row: StageRow, model: torch.nn.Module, runn
     state.say(f"{row.name}: scoring {', '.join(tasks.names)} in {runner.runtime}"
               + (f" (first {tasks.limit} items each)" if tasks.limit else ""))
     row.metrics.tasks = score_tasks(state, runner, row.details, model)
-    state.say(f"{row.name}: " + ", ".join(f"{t} {s.metric} {s.score:.1f}" for t, s in row.metrics.tasks.items()
-                                          if s.score is not None))
+    state.say(f"{row.name}: " + ", ".join(f"{t} {s.metric} {s.score:.4g}" for t, s in row.metrics.tasks.items()
+                                          if s.score is not None and s.parent is None))
 
 
 def checks_key(cfg: PipelineConfigBase) -> str:

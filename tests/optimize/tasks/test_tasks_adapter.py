@@ -78,6 +78,7 @@ def test_empty_context_truncation_greedy_and_rolling_equal_hflm(tiny_lm):
 
     inst = [Instance(request_type="loglikelihood", doc={}, arguments=p, idx=i) for i, p in enumerate(pairs)]
     _same(loglikelihoods(ours_lm, pairs), hf.loglikelihood(inst, disable_tqdm=True))
+    assert ours_lm.stats["truncated"] == 1  # the long context, cut from the left; counted for the report
 
     # greedy flag true: a continuation made of the model's own argmax tokens
     ctx = tok.encode("Once upon a time")
@@ -98,12 +99,33 @@ def test_empty_context_truncation_greedy_and_rolling_equal_hflm(tiny_lm):
     assert abs(a[0] - b[0]) < TOL
 
 
-def test_generation_is_refused_clearly(tiny_lm):
+def test_sampling_generation_is_refused_clearly(tiny_lm):
+    from lm_eval.api.instance import Instance
+
     from optimize.tasks.adapter import RunnerLM
 
     model, tok = tiny_lm
-    with pytest.raises(NotImplementedError, match="log-likelihood tasks only"):
-        RunnerLM(EagerRunner(model), tok).generate_until([])
+    req = Instance(request_type="generate_until", doc={}, arguments=("Q: hi\nA:", {"do_sample": True,
+                                                                                   "temperature": 0.7}), idx=0)
+    with pytest.raises(ValueError, match="generation in the runtime is greedy"):
+        RunnerLM(EagerRunner(model), tok).generate_until([req])
+
+
+def test_shared_prefixes_are_cut_back_to_not_fed_again(tiny_lm):
+    """Contexts with a common beginning (a few-shot prefix) are taken one after another and the
+    runner is cut back to the shared tokens: the same log-likelihoods (1e-5) with fewer tokens fed."""
+    from optimize.tasks.adapter import RunnerLM, loglikelihoods
+
+    model, tok = tiny_lm
+    shots = "Q: What is two plus two?\nA: four\n\nQ: What colour is the sky?\nA: blue\n\n"
+    pairs = [(shots + "Q: What is one plus one?\nA:", " two"), ("Unrelated context here.", " and more"),
+             (shots + "Q: What colour is grass?\nA:", " green")]
+    shared = RunnerLM(EagerRunner(model), tok)
+    got = loglikelihoods(shared, pairs)
+    alone = [loglikelihoods(RunnerLM(EagerRunner(model), tok), [p])[0] for p in pairs]
+    assert shared.stats["reused"] >= len(tok.encode(shots)) - 1
+    for (a, ga), (b, gb) in zip(got, alone):
+        assert abs(a - b) <= 1e-5 and ga == gb
 
 
 def test_one_token_choices_read_the_contexts_last_logits(tiny_lm):

@@ -12,13 +12,20 @@ def _load(cfg):
     return load_config(cfg, check_model=False)
 
 
-def test_unknown_task_names_the_path_and_the_allowed_list(tiny_cfg):
-    tiny_cfg["checks"]["tasks"] = {"names": ["hellaswag", "mmlu"]}
+def test_unknown_task_names_the_path_and_near_names(tiny_cfg):
+    """Any task lm-eval knows is accepted (MMLU's data is in the wheel); an unknown one is refused by
+    name with lm-eval's nearest names."""
+    pytest.importorskip("lm_eval")
+    tiny_cfg["checks"]["tasks"] = {"names": ["hellaswag", "mmlu", "arc_eazy"]}
     with pytest.raises(ConfigError) as err:
         _load(tiny_cfg)
     msg = str(err.value)
-    assert "checks.tasks.names" in msg and "'mmlu'" in msg
-    assert ", ".join(TASK_NAMES) in msg
+    assert "checks.tasks.names" in msg and "unknown task 'arc_eazy'" in msg and "did you mean arc_easy" in msg
+    assert "1 problem" in msg  # hellaswag and mmlu are fine
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa", ""]}
+    with pytest.raises(ConfigError, match="checks.tasks.names"):
+        _load(tiny_cfg)
+    assert "hellaswag" in TASK_NAMES
 
 
 def test_unknown_key_and_bad_limit(tiny_cfg):
@@ -51,13 +58,13 @@ def test_task_gates_need_the_task_scored_and_the_baseline(tiny_cfg):
     assert "gates.tasks" in msg and "hellaswag, which checks.tasks.names does not score" in msg
     assert "add 'baseline'" in msg
     tiny_cfg["gates"] = {"tasks": {"mmlu": {"threshold": 30}}}
-    with pytest.raises(ConfigError, match="unknown task 'mmlu'; allowed: hellaswag"):
+    with pytest.raises(ConfigError, match="gate on mmlu, which checks.tasks.names does not score"):
         _load(tiny_cfg)
 
 
 def test_defaults_and_selection():
     t = TasksConfig(names=["piqa"])
-    assert t.rows == ["baseline", "export"] and t.num_fewshot == 0 and t.limit is None
+    assert t.rows == ["baseline", "export"] and t.num_fewshot == 0 and t.limit is None and t.include_path == []
     assert t.selects(-1, "baseline", "baseline") and t.selects(2, "export:executorch", "export:executorch")
     assert not t.selects(0, "0:awq", "awq")
     assert TasksConfig(names=["piqa"], rows=[0]).selects(0, "0:awq", "awq")
