@@ -191,6 +191,7 @@ class OnnxRuntimeExporter(Exporter):
             "external_data": external,
             "size_bytes": sum(files[f]["bytes"] for f in model_files),
             "max_seq_len": max_seq,
+            "prefill_chunk": opts.prefill_chunk,
             "kv_cache": {"layers": len(layout), "kv_heads": [h for h, _ in layout], "head_dim": [d for _, d in layout]},
             "inputs": names_in,
             "outputs": names_out,

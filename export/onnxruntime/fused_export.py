@@ -64,6 +64,8 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
     genai = json.loads((stage / GENAI_CONFIG).read_text())
     if max_seq:
         genai["search"]["max_length"] = int(min(max_seq, genai["model"].get("context_length", max_seq)))
+    if opts.prefill_chunk:  # onnxruntime-genai's Generator then prefills a long prompt in chunks (an app's too)
+        genai["search"]["chunk_size"] = int(opts.prefill_chunk)
     (stage / GENAI_CONFIG).write_text(json.dumps(genai, indent=4))
     return {
         "builder": {"onnxruntime_genai": onnxruntime_genai.__version__, "precision": "fp32", "extra_options": extra},

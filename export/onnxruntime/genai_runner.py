@@ -72,6 +72,9 @@ class GenaiRunner(Runner):
         self.model, self.config = _load_model(self.path, self.threads)
         self._og = og
         self.max_seq_len = int(max_seq_len or self.config["search"]["max_length"])
+        #: onnxruntime-genai prefills in chunks of search.chunk_size and then returns only the last
+        #: chunk's logits, so a longer input is appended a chunk at a time here (every position kept)
+        self.prefill_chunk = int(self.config["search"].get("chunk_size") or 0) or None
         self._gen = None
         _warn_on_saturating_int8(self.path)
         self.reset()
@@ -89,6 +92,13 @@ class GenaiRunner(Runner):
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
+        chunk = self.prefill_chunk
+        if chunk and ids.numel() > chunk:
+            parts = [self._append(ids[i:i + chunk], all_logits) for i in range(0, int(ids.numel()), chunk)]
+            return torch.cat(parts, 0) if all_logits else parts[-1]
+        return self._append(ids, all_logits)
+
+    def _append(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
         t = int(ids.numel())
         gen = self._generator()
         try:

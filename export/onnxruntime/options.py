@@ -55,6 +55,10 @@ class OnnxRuntimeOptions(ExportOptions):
         True, description="run onnxscript's graph optimizer in torch.onnx.export (constant folding, rewrites)"
     )
     max_seq_len: int | None = Field(None, ge=2, description="longest sequence the runner accepts (default: the model's)")
+    prefill_chunk: int | None = Field(
+        512, ge=1, description="a prompt is fed in calls of at most this many tokens (our runners, and "
+        "onnxruntime-genai's own Generator through genai_config.json's search.chunk_size), so a full-context "
+        "prompt's peak memory is the weights, the KV cache and one chunk's logits and attention; null: one call")
     quantize: Literal["none", "dynamic", "dynamic_per_token", "static"] = Field(
         "none",
         description="INT8: dynamic (ORT's quantizer; one activation scale per tensor at run time), "

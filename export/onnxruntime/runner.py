@@ -108,6 +108,9 @@ class OnnxRuntimeRunner(Runner):
         self._empty = {n: np.zeros((1, dims[n][0], 0, dims[n][1]), dtype=np.float32) for n in self._past_names}
         self._out_names = [o.name for o in self.session.get_outputs()]
         self.max_seq_len = manifest.get("max_seq_len") if max_seq_len == "manifest" else max_seq_len
+        #: a longer input is fed in calls of at most this many tokens (None: one call; exports before
+        #: the option have none)
+        self.prefill_chunk = int(manifest["prefill_chunk"]) if manifest.get("prefill_chunk") else None
         self.manifest = manifest
         fmt = (manifest.get("quantization") or {}).get("int8_format") or {}
         warn_if_saturates(fmt.get("format"), str(self.path))
@@ -119,6 +122,13 @@ class OnnxRuntimeRunner(Runner):
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
+        chunk = self.prefill_chunk
+        if chunk and ids.numel() > chunk:  # bounded memory: one chunk's logits and attention at a time
+            parts = [self._run(ids[i:i + chunk], all_logits) for i in range(0, int(ids.numel()), chunk)]
+            return torch.cat(parts, 0) if all_logits else parts[-1]
+        return self._run(ids, all_logits)
+
+    def _run(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
         t = int(ids.numel())
         feeds = {
             "input_ids": ids.numpy().reshape(1, t),

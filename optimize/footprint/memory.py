@@ -266,14 +266,15 @@ def _child(argv: list[str] | None = None) -> int:
         peak, source = max(hwm, rss or 0), "VmHWM (reset after the imports)"
     else:
         peak, source = maxrss, "ru_maxrss (the whole child, imports included)"
-    # rows of float32 logits the runtime makes in the largest call: every prefill position in ONNX
-    # Runtime's graph; a .pte's chunk when it returns every position, else one
-    # Runtime's graph (onnxruntime-genai returns them all too, and holds about three copies: measured
-    # on this project's exports, 3.0x the logits' bytes per prefill token); a .pte's chunk when it
-    # returns every position, else one
+    # rows of float32 logits the runtime makes in the largest call: every position of one prefill
+    # call in ONNX Runtime's graph (a chunk of prefill_chunk positions where the export has one, else
+    # the whole prompt); onnxruntime-genai holds about three copies of them (measured on this project's
+    # exports, 3.0x the logits' bytes per prefill token); a .pte's chunk when it returns every position,
+    # else one
     rows, copies = 1, 1
     if runner.runtime in ("onnxruntime", "onnxruntime-genai"):
-        rows, copies = prefill, (3 if runner.runtime == "onnxruntime-genai" else 1)
+        chunk = getattr(runner, "prefill_chunk", None)
+        rows, copies = min(int(chunk), prefill) if chunk else prefill, (3 if runner.runtime == "onnxruntime-genai" else 1)
     elif hasattr(runner, "all_positions"):
         rows = min(int(runner.max_chunk), prefill) if runner.all_positions else 1
     out = {"peak_rss_bytes": int(peak), "interpreter_rss_bytes": interpreter, "prefill_tokens": prefill,

@@ -93,6 +93,32 @@ def test_family_matches_eager_past_the_window(family, smollm2_tokenizer, tmp_pat
     assert genai.forward_each([IDS[10:22], IDS[22:30]]) is None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text"])
+def test_prefill_in_chunks_gives_the_one_call_logits(family, smollm2_tokenizer, tmp_path):
+    """``prefill_chunk``: a 40-token prompt goes in calls of 7 tokens through ONNX Runtime and through
+    onnxruntime-genai (our appends, and genai's own Generator from ``search.chunk_size``), past the
+    sliding windows: every position's logits within 1e-4 of eager, and genai's own greedy search
+    equal to eager's."""
+    model = _family_model(family)
+    ex = OnnxRuntimeExporter()
+    res = ex.export(model, smollm2_tokenizer, tmp_path, {"prefill_chunk": 7}, log=_quiet)
+    assert res.manifest["prefill_chunk"] == 7
+    assert json.loads((tmp_path / "genai_config.json").read_text())["search"]["chunk_size"] == 7
+    want = EagerRunner(model).forward(IDS)
+    for r in (ex.load(res.artifact), ex.load(res.extra_artifacts["genai"])):
+        assert r.prefill_chunk == 7
+        r.reset()
+        got = r.forward(IDS)
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-4, r.runtime
+        r.reset()
+        last = r.forward(IDS, all_logits=False)
+        assert last.shape[0] == 1 and (last[0] - want[-1]).abs().max() < 1e-4, r.runtime
+    from export.onnxruntime.genai_runner import genai_greedy
+
+    assert genai_greedy(tmp_path, IDS[:20].tolist(), 10) == greedy_generate(EagerRunner(model), IDS[:20], 10)
+
+
 # ---------------------------------------------------------------- quantization carried over
 
 

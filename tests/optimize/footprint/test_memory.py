@@ -88,6 +88,29 @@ def test_peak_rss_of_a_tiny_onnx_artifact_in_a_child(onnx_export, how):
     _check(fp, size, how, model_tol=0.35)
 
 
+def test_the_child_prefills_in_the_exports_chunks(onnx_export, tmp_path):
+    """An export with ``prefill_chunk`` is prefilled in those calls by both runners (the largest call's
+    logits are one chunk's rows: what the prediction counts)."""
+    import json
+    import shutil
+
+    from optimize.footprint.memory import measure_peak
+
+    _, res = onnx_export
+    d = tmp_path / "chunked"
+    shutil.copytree(res.artifact.parent, d)
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["prefill_chunk"] = 64
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    genai = json.loads((d / "genai_config.json").read_text())
+    genai["search"]["chunk_size"] = 64
+    (d / "genai_config.json").write_text(json.dumps(genai))
+    for artifact, runtime in ((d / "model.onnx", "onnxruntime"), (d, "onnxruntime-genai")):
+        got = measure_peak(artifact, "onnxruntime")
+        assert got.get("error") is None and got["runtime"] == runtime
+        assert got["prefill_tokens"] == 252 and got["logits_rows"] == 64
+
+
 @pytest.mark.slow
 def test_peak_rss_of_a_tiny_pte_in_a_child(tmp_path):
     """A tiny fp32 .pte (about 20 s to lower): XNNPACK packs lm_head's copy of the table at load, so
