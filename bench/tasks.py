@@ -134,6 +134,8 @@ def eager_ab(model, tokenizer, names, limit: int, rounds: int, log) -> dict:
 
 
 def table(rows: dict, names: list[str]) -> str:
+    from optimize.tasks.scores import format_value
+
     labels = list(rows)
     out = ["| task | metric | items | " + " | ".join(labels) + " |", "|---|---|---:|" + "---:|" * len(labels)]
     for n in names:
@@ -143,9 +145,8 @@ def table(rows: dict, names: list[str]) -> str:
         cells = []
         for r in rows.values():
             s = r.get("scores", {}).get(n)
-            fmt = ".1f" if s is not None and s.get("unit") == "points" else ".4g"
-            cells.append("–" if s is None or s["score"] is None else f"{s['score']:{fmt}}"
-                         + (f" ± {s['stderr']:{fmt}}" if s["stderr"] is not None else ""))
+            cells.append("–" if s is None or s["score"] is None else format_value(s["score"], s["unit"])
+                         + (f" ± {format_value(s['stderr'], s['unit'])}" if s["stderr"] is not None else ""))
         out.append(f"| {n} | {first['metric']} | {first['items']} | " + " | ".join(cells) + " |")
     means, walls = [], []
     for r in rows.values():

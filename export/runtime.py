@@ -67,6 +67,17 @@ class Runner(abc.ABC):
                 f"({limit - pos} positions left); call reset() or export with a larger max_seq_len")
         return ids
 
+    @staticmethod
+    def in_chunks(ids: torch.Tensor, chunk: int | None, all_logits: bool,
+                  call: Callable[[torch.Tensor, bool], torch.Tensor]) -> torch.Tensor:
+        """``call`` on ``ids`` in pieces of at most ``chunk`` tokens (None: one call), the logits of
+        every piece concatenated, or the last position's: a runtime that prefills a long prompt in
+        bounded calls returns what one call would."""
+        if not chunk or ids.numel() <= chunk:
+            return call(ids, all_logits)
+        parts = [call(ids[i:i + chunk], all_logits) for i in range(0, int(ids.numel()), chunk)]
+        return torch.cat(parts, 0) if all_logits else parts[-1]
+
     def checked_rows(self, rests: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """``rests`` as one right-padded ``[k, longest]`` LongTensor (pads 0) and each row's length, for
         :meth:`forward_each`; refused, as :meth:`checked_ids` refuses, when a row is empty or the

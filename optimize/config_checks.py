@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from export.base import exporter_names, get_exporter
 from optimize.errors import problems_from
 from optimize.tasks.data import missing_packages
+from optimize.tasks.scores import base_metric
 from targets import TargetError, load_target
 from targets.devices import DeviceError, device_path, load_device
 from targets.sources import GGUFSource, HFSource, ModelSourceError, peek_config
@@ -118,7 +119,7 @@ def _task_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
         for t, goal in (goals or {}).items():
             e = (entries or {}).get(t)
             if goal.metric and e is not None and e.kind == "task" and e.metrics \
-                    and goal.metric.split(",", 1)[0] not in e.metrics:
+                    and base_metric(goal.metric) not in e.metrics:
                 problems.append((f"{where}.{t}.metric", f"{t} has no metric {goal.metric!r}; "
                                  f"it has: {', '.join(e.metrics)}"))
         relative = [t for t, g in (goals or {}).items() if g.threshold is None]

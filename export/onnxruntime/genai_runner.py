@@ -92,11 +92,7 @@ class GenaiRunner(Runner):
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
-        chunk = self.prefill_chunk
-        if chunk and ids.numel() > chunk:
-            parts = [self._append(ids[i:i + chunk], all_logits) for i in range(0, int(ids.numel()), chunk)]
-            return torch.cat(parts, 0) if all_logits else parts[-1]
-        return self._append(ids, all_logits)
+        return self.in_chunks(ids, self.prefill_chunk, all_logits, self._append)
 
     def _append(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
         t = int(ids.numel())

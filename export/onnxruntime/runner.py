@@ -122,11 +122,7 @@ class OnnxRuntimeRunner(Runner):
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
-        chunk = self.prefill_chunk
-        if chunk and ids.numel() > chunk:  # bounded memory: one chunk's logits and attention at a time
-            parts = [self._run(ids[i:i + chunk], all_logits) for i in range(0, int(ids.numel()), chunk)]
-            return torch.cat(parts, 0) if all_logits else parts[-1]
-        return self._run(ids, all_logits)
+        return self.in_chunks(ids, self.prefill_chunk, all_logits, self._run)
 
     def _run(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
         t = int(ids.numel())

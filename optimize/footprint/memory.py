@@ -274,7 +274,8 @@ def _child(argv: list[str] | None = None) -> int:
     rows, copies = 1, 1
     if runner.runtime in ("onnxruntime", "onnxruntime-genai"):
         chunk = getattr(runner, "prefill_chunk", None)
-        rows, copies = min(int(chunk), prefill) if chunk else prefill, (3 if runner.runtime == "onnxruntime-genai" else 1)
+        rows = min(int(chunk), prefill) if chunk else prefill
+        copies = 3 if runner.runtime == "onnxruntime-genai" else 1
     elif hasattr(runner, "all_positions"):
         rows = min(int(runner.max_chunk), prefill) if runner.all_positions else 1
     out = {"peak_rss_bytes": int(peak), "interpreter_rss_bytes": interpreter, "prefill_tokens": prefill,

@@ -12,6 +12,7 @@
   (every output type; generation greedy).
 - :mod:`optimize.tasks.evaluate`: ``evaluate_tasks(runner, tokenizer, names, ...)`` -> ``TaskScore`` list.
 - :mod:`optimize.tasks.scores`: ``TaskScore`` (a task's or group's metrics in their own units).
+- :mod:`optimize.tasks.table`: report.md's task table.
 """
 
 from optimize.tasks.config import TASK_NAMES, TasksConfig

