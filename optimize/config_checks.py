@@ -102,10 +102,13 @@ def _task_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
         missing = missing_packages()
         problems += [("checks.tasks", msg) for msg in missing]
         if not missing:
-            from optimize.tasks.catalog import check_tasks
+            from optimize.tasks.catalog import check_tasks, not_folders
 
-            entries, found = check_tasks(tasks.names, tasks.include_path)
-            problems += [("checks.tasks.names", msg) for msg in found]
+            bad = not_folders(tasks.include_path)
+            problems += [(f"checks.tasks.include_path.{i}", f"{tasks.include_path[i]!r} is not a folder") for i in bad]
+            if not bad:
+                entries, found = check_tasks(tasks.names, tasks.include_path)
+                problems += [("checks.tasks.names", msg) for msg in found]
     gated = [("gates.tasks", cfg.gates.tasks)] + [(f"stages.{i}.gates.tasks", s.gates.tasks if s.gates else None)
                                                   for i, s in enumerate(cfg.stages)]
     members = {m: e for e in (entries or {}).values() if e.named for m in [*e.tasks, *e.groups]}

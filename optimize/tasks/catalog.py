@@ -58,6 +58,11 @@ def _inc(include_path: Sequence[str]) -> tuple[str, ...]:
     return tuple(str(p) for p in include_path)
 
 
+def not_folders(include_path: Sequence[str]) -> list[int]:
+    """Indices of ``include_path`` entries that are not folders (lm-eval would skip them silently)."""
+    return [i for i, p in enumerate(include_path) if not Path(p).is_dir()]
+
+
 def _needs_index(names: Sequence[str], include_path: tuple[str, ...]) -> bool:
     return bool(include_path) or any(n not in SPECS for n in names)
 
@@ -139,10 +144,7 @@ def check_tasks(names: Sequence[str], include_path: Sequence[str] = ()) -> tuple
     """Build every name as a run would; returns what each holds and one line per problem
     (unknown name, missing data, unreadable YAML, a sampling generation task)."""
     version = require_lm_eval()
-    problems: list[str] = []
-    for p in include_path:
-        if not Path(p).is_dir():
-            problems.append(f"include_path {str(p)!r} is not a folder")
+    problems: list[str] = [f"include_path {str(include_path[i])!r} is not a folder" for i in not_folders(include_path)]
     if problems:
         return {}, problems
     inc = _inc(include_path)
@@ -251,5 +253,5 @@ def local_tasks(include_path: Sequence[str] = ()) -> list[dict[str, str]]:
     return sorted(out.values(), key=lambda d: (d["kind"] != "group", d["name"]))
 
 
-__all__ = ["TaskEntry", "check_tasks", "expand_tags", "load_tasks", "local_tasks", "quiet_lm_eval", "specs_for",
-           "task_manager"]
+__all__ = ["TaskEntry", "check_tasks", "expand_tags", "load_tasks", "local_tasks", "not_folders", "quiet_lm_eval",
+           "specs_for", "task_manager"]

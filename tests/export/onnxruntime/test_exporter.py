@@ -268,6 +268,8 @@ def test_non_fp32_model_refused(tmp_path):
     ({"opset": 17}, "greater than or equal to 18"),
     ({"graph_optimization_level": "max"}, "'disable', 'basic', 'extended' or 'all'"),
     ({"quantise": "dynamic"}, "unknown key 'quantise' (did you mean 'quantize'?)"),
+    ({"prefill_chunk": 0}, "greater than or equal to 1"),
+    ({"prefill_chunk": "big"}, "valid integer"),
 ])
 def test_bad_options(opts, needle):
     with pytest.raises(ValidationError) as err:

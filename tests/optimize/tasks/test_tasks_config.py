@@ -35,6 +35,24 @@ def test_unknown_key_and_bad_limit(tiny_cfg):
     tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "limit": 0}
     with pytest.raises(ConfigError, match="checks.tasks.limit"):
         _load(tiny_cfg)
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "expand_groups": "sometimes"}
+    with pytest.raises(ConfigError, match="checks.tasks.expand_groups"):
+        _load(tiny_cfg)
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "num_fewshot": -1}
+    with pytest.raises(ConfigError, match="checks.tasks.num_fewshot"):
+        _load(tiny_cfg)
+
+
+def test_include_path_must_be_folders(tiny_cfg, tmp_path):
+    pytest.importorskip("lm_eval")
+    (tmp_path / "a_file.yaml").write_text("task: x\n")
+    tiny_cfg["checks"]["tasks"] = {"names": ["piqa"], "include_path": [str(tmp_path / "a_file.yaml"),
+                                                                       str(tmp_path / "missing")]}
+    with pytest.raises(ConfigError) as err:
+        _load(tiny_cfg)
+    msg = str(err.value)
+    assert "checks.tasks.include_path.0:" in msg and "a_file.yaml' is not a folder" in msg
+    assert "checks.tasks.include_path.1:" in msg and "missing' is not a folder" in msg
 
 
 def test_rows_must_name_rows_of_the_run(tiny_cfg):
