@@ -11,6 +11,9 @@ H100/H200), with a Markdown table and JSON:
 * **stages**: the SmolLM2 demo's stages (``examples/smollm2.yaml``: AWQ, then GPTQ on 32 windows)
   on CUDA against the same stages on 2 CPU threads (run at the same time, on the host's CPU), with
   the perplexity each gives;
+* **parallel**: tensor, pipeline and expert parallelism (``train/parallel``) each on a one-device
+  mesh, against the plain model, so the CUDA path of every wrapper runs (a 1-GPU machine cannot
+  split anything: the multi-rank splits are tested on CPU with gloo);
 * **scale**: a 1B-class model (Llama-3.2-1B's shape, random init) through ``awq -> ptq_int8``
   (GPTQ) and ``qat`` on the GPU, each stage's wall time and peak memory.
 
@@ -46,7 +49,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench.common import REPO, print_results, run_json_child  # noqa: E402
 
 #: in the order they run by default, most wanted first: what the budget cuts is at the end
-SECTIONS = ("throughput", "stages", "recipes", "scale", "mfu")
+SECTIONS = ("throughput", "stages", "recipes", "scale", "mfu", "parallel")
 SDPA_KERNELS = ("auto", "flash", "efficient", "cudnn", "math")
 
 _LLAMA = dict(model_type="llama", vocab_size=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
@@ -182,7 +185,32 @@ def _peak_mib(dev) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-CHILDREN = {"plain": child_plain, "trainer": child_trainer, "pipeline": child_pipeline}
+#: the degenerate parallel layouts: each wrapper on a one-device mesh (train/parallel/selfcheck.py)
+PARALLEL_FAMILIES = {
+    "llama": dict(_LLAMA, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, tie_word_embeddings=False),
+    "mixtral": dict(model_type="mixtral", vocab_size=49152, hidden_size=256, intermediate_size=512,
+                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=8192),
+}
+
+
+def child_parallel(spec: dict, out: Path) -> None:
+    """Tensor, pipeline and expert parallelism, each on a one-device mesh, against the plain model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from train.parallel.selfcheck import degenerate_layouts
+
+    kw = dict(PARALLEL_FAMILIES[spec["family"]])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kw.pop("model_type"), **kw))
+    t0 = time.perf_counter()
+    res = degenerate_layouts(model, torch.device(spec["device"]), seq_len=spec["seq"])
+    out.write_text(json.dumps({"dims": res, "wall_s": time.perf_counter() - t0}))
+
+
+CHILDREN = {"plain": child_plain, "trainer": child_trainer, "pipeline": child_pipeline, "parallel": child_parallel}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +466,18 @@ def section_scale(args, budget: Budget) -> list[dict]:
 # tables
 
 
+def section_parallel(args, budget: Budget) -> list[dict]:
+    rows = []
+    for family in PARALLEL_FAMILIES:
+        res = run_child("parallel", {"family": family, "device": args.device, "seq": 64 if args.smoke else 512},
+                        budget, cap=180)
+        if "error" in res:
+            rows.append({"family": family, "dim": "-", "error": res["error"]})
+            continue
+        rows += [{"family": family, "dim": dim, **r} for dim, r in res["dims"].items()]
+    return rows
+
+
 def _f(x, fmt=".1f") -> str:
     return format(x, fmt) if isinstance(x, (int, float)) else "-"
 
@@ -486,6 +526,14 @@ def tables(results: dict) -> str:
                     + (f", CUDA graphs {t['cuda_graphs']}" if t.get("cuda_graphs") else "")) if t else ""
             out.append(f"| {r['run']} | {r['stage']} | {_f(r['perplexity'], '.3f')} | {_f(r['wall_s'])} | "
                        f"{_f(r['peak_mib'], '.0f')} | {(r.get('status') or '-') + note} |")
+    if results.get("parallel"):
+        out += ["", "### Parallel wrappers on a one-device mesh (against the plain model, fp32)", "",
+                "| family | dimension | loss rel. diff | max grad rel. diff | grad-norm rel. diff | note |",
+                "|---|---|---:|---:|---:|---|"]
+        for r in results["parallel"]:
+            note = r.get("skipped") or (("failed: " + r["error"][:200]) if "error" in r else "ran")
+            out.append(f"| {r['family']} | {r['dim']} | {_f(r.get('loss_rel'), '.1e')} | {_f(r.get('grad_rel'), '.1e')} "
+                       f"| {_f(r.get('grad_norm_rel'), '.1e')} | {note} |")
     if "stages_summary" in results:
         s = results["stages_summary"]
         out += ["", f"Demo stages: GPU {_f(s.get('gpu_s'))} s, 2 CPU threads {_f(s.get('cpu_s'))} s "

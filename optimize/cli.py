@@ -235,11 +235,14 @@ def cmd_sensitivity(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from train.api import run_training
+    from train.api import check_recipe, run_training
     from train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    report = run_training(recipe)
+    if args.check:
+        report = check_recipe(recipe, args.world_size or int(os.environ.get("WORLD_SIZE", "1")))
+    else:
+        report = run_training(recipe)
     print(json.dumps(report.model_dump(mode="json") if hasattr(report, "model_dump") else report, indent=2, default=str))
     return 0
 
@@ -356,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("train", help="run a training recipe (LoRA/QLoRA, FSDP2 under torchrun, ...)")
     s.add_argument("recipe")
     s.add_argument("overrides", nargs="*", default=[], help="key.path=value overrides")
+    s.add_argument("--check", action="store_true",
+                   help="check the recipe and its parallel layout against the model; load no weights, train nothing")
+    s.add_argument("--world-size", type=int, default=None, help="ranks to check the layout for (default $WORLD_SIZE or 1)")
     s.set_defaults(fn=cmd_train)
     return p
 

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt2", "opt", "gpt_neox",
-         "bert"]
+         "mixtral", "bloom", "bert"]
 COLUMNS = ["load", "ptq_int8", "smoothquant", "awq", "rmsnorm", "resume", "executorch", "onnxruntime"]
 STAGE_OPTIONS = {"ptq_int8": {"scheme": "8da8w"}, "smoothquant": {}, "awq": {}, "rmsnorm": {}}
 EXPORT_OPTIONS = {"executorch": {"max_seq_len": 64}, "onnxruntime": {}}

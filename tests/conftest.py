@@ -40,6 +40,10 @@ TINY_CONFIGS: dict[str, dict] = {
                 num_attention_heads=4, max_position_embeddings=1024, vocab_size=49152),
     "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=1024, vocab_size=49152),
+    # a mixture of experts: 4 experts of width 128 per block, each token routed to 2 (fused 3-D expert weights)
+    "mixtral": dict(_DECODER, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    # ALiBi (no position embeddings: a per-head bias on the attention scores), LayerNorm, fused query_key_value
+    "bloom": dict(model_type="bloom", hidden_size=64, n_layer=2, n_head=4, vocab_size=49152),
     # an encoder: AutoModelForCausalLM would build BertLMHeadModel with bidirectional attention
     "bert": dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=512, vocab_size=49152),

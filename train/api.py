@@ -6,6 +6,7 @@ report is also written atomically to ``<output_dir>/report.json`` by rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -54,6 +55,9 @@ class TrainReport(BaseModel):
     compiled_blocks: int = Field(0, description="transformer blocks run through torch.compile (train.compile)")
     peak_mem_mib: float = Field(description="peak memory per rank (CPU: peak RSS; CUDA: max allocated)")
     world_size: int = Field(description="number of ranks")
+    parallel: dict[str, int] = Field(
+        default_factory=dict, description="mesh sizes of a parallel layout (dp_shard, tp, pp, ep); empty for plain runs"
+    )
     micro_batch_size: int = Field(description="micro-batch at the end (smaller than configured after an OOM)")
     grad_accum_steps: int = Field(description="accumulation steps at the end")
     trainable_params: int = Field(description="parameters the optimizer updates (whole model, not per shard)")
@@ -112,7 +116,7 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
     loss, lr, grad norm, tokens/s, MFU and peak memory as metrics, ``report.json`` and
     ``metrics.csv`` as artifacts; FINISHED, or FAILED when training raised."""
     cfg = recipe.loop_config()
-    ctx = init_distributed(cfg.device, cfg.distributed)
+    ctx = init_distributed(cfg.device, cfg.distributed, cfg.parallel)
     tracker, status = None, "FAILED"
     try:
         # before loading: the model source would quietly fall back to sdpa where flash-attn cannot run
@@ -145,6 +149,7 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
             compiled_blocks=result.compiled_blocks,
             peak_mem_mib=result.peak_mem_mib,
             world_size=result.world_size,
+            parallel=result.parallel,
             micro_batch_size=result.micro_batch_size,
             grad_accum_steps=result.grad_accum_steps,
             trainable_params=result.trainable_params,
@@ -169,6 +174,41 @@ def run_training(recipe: TrainRecipe) -> TrainReport:
         if tracker is not None:
             tracker.end(status)
         teardown(ctx)
+
+
+class LayoutReport(BaseModel):
+    """What ``python -m train --check`` found: the recipe, the model and the layout agree."""
+
+    model: str = Field(description="model source kind (hf, gguf, bundled, random)")
+    model_type: str = Field(description="the model's family (transformers model_type)")
+    world_size: int = Field(description="ranks the layout was checked for")
+    parallel: dict[str, int] = Field(description="resolved mesh sizes (dp_shard, tp, pp, ep)")
+    window_lengths: list[int] = Field(description="every window length the run trains on")
+
+
+def check_recipe(recipe: TrainRecipe, world_size: int) -> LayoutReport:
+    """Refuse, before any rank starts or any weight loads, a layout the model cannot take: sizes
+    that do not multiply to ``world_size``, heads, KV heads, MLP columns or window lengths that
+    ``tp`` does not divide, fewer blocks than ``pp`` stages, experts that ``ep`` does not divide,
+    a family a split does not know (a :class:`~train.errors.TrainInputError` naming the reason)."""
+    from targets.sources.models import peek_config
+    from train.curriculum import LengthSchedule
+    from train.model_parts import meta_model
+    from train.parallel.layout import check_model, check_modules, resolve
+
+    cfg = recipe.loop_config()
+    layout = resolve(cfg.parallel, world_size, cfg.distributed.fsdp)
+    config = peek_config(recipe.model)
+    lengths = LengthSchedule(cfg.curriculum, recipe.data.seq_len).lengths()
+    check_model(layout, config, lengths, cfg.parallel)
+    check_modules(layout, meta_model(config))
+    return LayoutReport(
+        model=recipe.model.source,
+        model_type=getattr(config, "model_type", type(config).__name__),
+        world_size=world_size,
+        parallel=dataclasses.asdict(layout),
+        window_lengths=lengths,
+    )
 
 
 def configure_threads() -> None:

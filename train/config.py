@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from targets.config_base import Strict
+from train.parallel.config import ParallelConfig, parallel_conflicts
 from targets.sources import ModelSource
 from train.tracking import TrackingConfig
 
@@ -220,6 +221,9 @@ class LoopConfig(Strict):
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="activation memory savers")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA / QLoRA adapters")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="FSDP2 sharding")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="the device mesh: dp_shard, tp, pp and ep sizes (torchrun jobs)"
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints and export")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metrics output")
     attention: AttentionConfig = Field(default_factory=AttentionConfig, description="attention kernel and pattern")
@@ -247,6 +251,11 @@ class LoopConfig(Strict):
         if isinstance(value, (dict, CompileConfig)):
             return value
         raise ValueError(f"compile takes true, false or a mapping with enabled, loss and mode; got {value!r}")
+
+    @model_validator(mode="after")
+    def _parallel_consistent(self) -> "LoopConfig":
+        parallel_conflicts(self)
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> "LoopConfig":

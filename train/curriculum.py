@@ -62,6 +62,10 @@ class LengthSchedule:
     def __len__(self) -> int:
         return len(self.stages)
 
+    def lengths(self) -> list[int]:
+        """Every window length the run trains on, shortest first."""
+        return [st.seq_len for st in self.stages]
+
 
 class StagedBatches:
     """One step batch per call, from the stage the step belongs to; rebuilds the loader at stage changes."""

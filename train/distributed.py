@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from train.config import DistributedConfig
+from train.parallel.config import ParallelConfig
 from train.errors import TrainInputError
 from train.memory import transformer_blocks
 
@@ -35,10 +36,30 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     mesh: object | None = None
     owns_group: bool = False
+    parallel: object | None = None  # train.parallel.mesh.ParallelMesh of a multi-dimensional layout
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ranks that read different data."""
+        return self.parallel.dp_rank if self.parallel is not None else self.rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.parallel.layout.dp_shard if self.parallel is not None else self.world
+
+    @property
+    def loss_weight(self) -> float:
+        """This rank's share of the run's mean loss: the data-parallel mean over ranks that hold a
+        loss; tensor-parallel copies and pipeline stages before the last count 0."""
+        if self.parallel is None:
+            return 1.0 / self.world
+        p = self.parallel
+        holds = p.is_last_stage and p.root["tp"].get_local_rank() == 0
+        return 1.0 / p.layout.dp_shard if holds else 0.0
 
 
 def pick_device(requested: str) -> torch.device:
@@ -49,16 +70,26 @@ def pick_device(requested: str) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(requested_device: str, cfg: DistributedConfig) -> DistContext:
-    """Join torchrun's process group when launched by it (WORLD_SIZE set); else single process."""
+def init_distributed(
+    requested_device: str, cfg: DistributedConfig, parallel: ParallelConfig | None = None
+) -> DistContext:
+    """Join torchrun's process group when launched by it (WORLD_SIZE set); else single process.
+
+    With a multi-dimensional ``parallel`` layout the mesh is :func:`train.parallel.mesh.build_mesh`'s
+    (``ctx.parallel``); the sizes are checked against the world size first."""
     device = pick_device(requested_device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 and not cfg.fsdp:
+    multi = parallel is not None and parallel.multi_dim
+    if world <= 1 and not cfg.fsdp and not multi:
         return DistContext(device=device)
     if "RANK" not in os.environ:
-        raise TrainInputError(
-            "distributed.fsdp needs a launcher: run with `torchrun --nproc_per_node N -m train recipe.yaml`"
-        )
+        what = "train.parallel" if multi else "distributed.fsdp"
+        raise TrainInputError(f"{what} needs a launcher: run with `torchrun --nproc_per_node N -m train recipe.yaml`")
+    layout = None
+    if multi:
+        from train.parallel.layout import resolve
+
+        layout = resolve(parallel, world, cfg.fsdp)
     from torch.distributed.device_mesh import init_device_mesh
 
     owns = False
@@ -68,7 +99,14 @@ def init_distributed(requested_device: str, cfg: DistributedConfig) -> DistConte
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
         owns = True
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    pmesh = None
+    if layout is not None:
+        from train.parallel.mesh import build_mesh
+
+        pmesh = build_mesh(layout, device.type)
+        mesh = pmesh.dp
+    else:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return DistContext(
         rank=dist.get_rank(),
         world=dist.get_world_size(),
@@ -76,6 +114,7 @@ def init_distributed(requested_device: str, cfg: DistributedConfig) -> DistConte
         device=device,
         mesh=mesh,
         owns_group=owns,
+        parallel=pmesh,
     )
 
 
@@ -116,14 +155,26 @@ def _single_rank_ignored(model: nn.Module, ctx: DistContext) -> set[nn.Parameter
     return ignored
 
 
-def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext) -> nn.Module:
-    """fully_shard every transformer block, then the root, with the configured policies."""
+def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext, experts: list[nn.Module] = ()) -> nn.Module:
+    """fully_shard every transformer block, then the root, with the configured policies.
+
+    ``experts`` (already sharded over ``ep``) are sharded first over the data-parallel ranks left
+    in each expert group (``dp_mod_ep``), or left out where none are left (their gradients need no
+    reduction: each ep rank's experts saw every rank's tokens)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.param_dtype], reduce_dtype=_DTYPES[cfg.reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=ctx.mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
-    ignored = _single_rank_ignored(model, ctx)
+    nf4_whole = _single_rank_ignored(model, ctx)
+    ignored = set(nf4_whole)
+    if experts:
+        layout = ctx.parallel.layout
+        if layout.dp_shard // layout.ep > 1:
+            for module in experts:
+                fully_shard(module, **{**kwargs, "mesh": ctx.parallel.dim("dp_mod_ep")})
+        else:
+            ignored |= {p for module in experts for p in module.parameters()}
     if ignored:
         kwargs["ignored_params"] = ignored
     wrapper_of = {
@@ -133,8 +184,8 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, ctx: DistContext) -> nn
         fully_shard(wrapper_of.get(id(block), block), **kwargs)
     fully_shard(model, **kwargs)
     quantized = sum(type(getattr(p, "_local_tensor", p)).__name__ == "NF4Tensor" for p in model.parameters())
-    if ignored:
-        log.info("FSDP2 on one rank: %d NF4 parameters kept whole (nothing to shard)", len(ignored))
+    if nf4_whole:
+        log.info("FSDP2 on one rank: %d NF4 parameters kept whole (nothing to shard)", len(nf4_whole))
     elif quantized:
         log.info("FSDP2: %d parameters sharded per-parameter as NF4 (4-bit all-gather)", quantized)
     return model

@@ -19,6 +19,7 @@ fp16's GradScaler is the exception: its inf check reads the device every step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,7 @@ class TrainResult:
     device_name: str = ""
     peak_tflops: float | None = None  # per device, what MFU is measured against
     compiled_blocks: int = 0
+    parallel: dict[str, int] = field(default_factory=dict)  # mesh sizes of a parallel layout
 
 
 def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
@@ -85,6 +87,8 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
         config.use_cache = False  # a KV cache mutated inside a checkpointed block breaks recompute
     if cfg.precision.master_weights_fp32:
         model = model.float()
+    if ctx.parallel is not None:  # LoRA and compile are refused with it (LoopConfig)
+        return _prepare_parallel(model, cfg, ctx)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, shard_world=ctx.world if cfg.distributed.fsdp else 1)
     wrapped = apply_activation_checkpointing(model, cfg.memory)
@@ -99,6 +103,34 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
         model = apply_fsdp(model, cfg.distributed, ctx)
     else:
         model = model.to(ctx.device)
+    model.train()
+    return model
+
+
+def _prepare_parallel(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
+    """torchtitan's order on one mesh: keep this rank's pipeline stage, split experts over ep and
+    blocks over tp, checkpoint activations, then FSDP2 over the data-parallel ranks."""
+    from train.parallel.experts import apply_expert_parallel
+    from train.parallel.layout import check_modules
+    from train.parallel.pipeline import keep_stage
+    from train.parallel.tensor import apply_tensor_parallel
+
+    pmesh = ctx.parallel
+    layout = pmesh.layout
+    check_modules(layout, model)
+    if layout.pp > 1:
+        model = keep_stage(model, pmesh)
+    model = model.to(ctx.device)
+    experts = apply_expert_parallel(model, pmesh.dim("ep")) if layout.ep > 1 else []
+    if layout.tp > 1:
+        apply_tensor_parallel(model, pmesh.dim("tp"), cfg.parallel.sequence_parallel)
+    wrapped = apply_activation_checkpointing(model, cfg.memory)
+    if wrapped:
+        log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)
+    if layout.dp_shard > 1:
+        model = apply_fsdp(model, cfg.distributed, ctx, experts)
+    if ctx.is_main:
+        log.info("parallel layout: %s", layout.describe())
     model.train()
     return model
 
@@ -140,7 +172,7 @@ def train(
     of ``train/metrics.py``), in bursts of ``logging.every_n_steps``: progress bars, tracking.
     """
     own_ctx = ctx is None
-    ctx = ctx or init_distributed(cfg.device, cfg.distributed)
+    ctx = ctx or init_distributed(cfg.device, cfg.distributed, cfg.parallel)
     try:
         return _train(model, data, cfg, loss_fn, seq_len, tokenizer, ctx, on_step)
     finally:
@@ -164,10 +196,20 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         log.info("loss: %s", loss_name)
         if len(schedule) > 1:
             log.info("length curriculum: %s", schedule.describe())
+    if ctx.parallel is not None:
+        from train.parallel.layout import check_model
+
+        check_model(ctx.parallel.layout, model.config, schedule.lengths(), cfg.parallel)
     model = prepare_model(model, cfg, ctx)
+    pipeline = None
+    if ctx.parallel is not None and ctx.parallel.layout.pp > 1:
+        from train.parallel.pipeline import build_schedule
+
+        pipeline = build_schedule(model, ctx.parallel, ctx.device, cfg.parallel.pp_schedule, cfg.batch.grad_accum_steps)
     compiled_blocks = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     reset_peak_memory(ctx.device)  # measure training, not the one-off load/quantize transient
-    fsdp = cfg.distributed.fsdp
+    fsdp = cfg.distributed.fsdp and (ctx.parallel is None or ctx.parallel.layout.dp_shard > 1)
+    sharded = cfg.distributed.fsdp or ctx.parallel is not None  # parameters are DTensors
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optimizer, ctx.device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.max_steps)
@@ -176,7 +218,7 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
 
     loader_kwargs = dict(num_workers=cfg.data_workers, pin_memory=cfg.pin_memory, prefetch_factor=cfg.prefetch_factor)
     staged = StagedBatches(
-        data, schedule, cfg.batch.effective_per_rank, rank=ctx.rank, world=ctx.world, seed=cfg.data_seed,
+        data, schedule, cfg.batch.effective_per_rank, rank=ctx.dp_rank, world=ctx.dp_world, seed=cfg.data_seed,
         loader_kwargs=loader_kwargs,
     )
     start_step, resumed_from = 0, None
@@ -234,12 +276,14 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
                 with attn.context(), step_precision(cfg, ctx.device), eager(compiled):
                     check_head_matches_logits(model, batch["input_ids"])
             record = staged.seq_len not in attn.by_length  # first step at this length: watch the kernels
-            out = optimizer_step(model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record)
+            out = optimizer_step(
+                model, batch, cfg, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn, record, pipeline=pipeline
+            )
             if record and ctx.is_main:
                 log.info("%s", attn.describe(staged.seq_len))
             scheduler.step()
             done = step + 1
-            rate.count(staged.seq_len, batch["input_ids"].numel() * ctx.world)
+            rate.count(staged.seq_len, batch["input_ids"].numel() * ctx.dp_world)
             seq_lens[done] = staged.seq_len
             row = dict(
                 step=done,
@@ -273,7 +317,9 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
 
     exported = None
     if cfg.checkpoint.export_hf:
-        exported = export_pretrained(model, tokenizer, out_dir / "hf", cfg.lora, sharded=fsdp, is_main=ctx.is_main)
+        exported = export_pretrained(
+            model, tokenizer, out_dir / "hf", cfg.lora, sharded=sharded, is_main=ctx.is_main, pmesh=ctx.parallel
+        )
     peak_mem = all_reduce_max(peak_memory_mib(ctx.device), ctx)
     return TrainResult(
         model=model,
@@ -287,8 +333,8 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         micro_batch_size=plan.micro,
         grad_accum_steps=plan.accum,
         world_size=ctx.world,
-        trainable_params=sum(p.numel() for p in params),
-        total_params=sum(p.numel() for p in model.parameters()),
+        trainable_params=_whole_model(sum(p.numel() for p in params), ctx),
+        total_params=_whole_model(sum(p.numel() for p in model.parameters()), ctx),
         checkpoints=saved,
         exported_to=exported,
         attention=attn.report(),
@@ -300,7 +346,19 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         device_name=peak.device_name,
         peak_tflops=peak.tflops,
         compiled_blocks=compiled_blocks,
+        parallel=dataclasses.asdict(ctx.parallel.layout) if ctx.parallel is not None else {},
     )
+
+
+def _whole_model(count: int, ctx: DistContext) -> int:
+    """A parameter count of the whole model: DTensors already count whole; pipeline stages add up."""
+    if ctx.parallel is None or ctx.parallel.layout.pp == 1:
+        return count
+    import torch.distributed as dist
+
+    total = torch.tensor([count], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(total, group=ctx.parallel.dim("pp").get_group())
+    return int(total.item())
 
 
 def _attention_span(cfg: LoopConfig) -> int | None:

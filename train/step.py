@@ -82,13 +82,32 @@ def _forward(model, mb, loss_fn, attn: AttentionSetup, record: bool, compiled: b
     return loss
 
 
+def _clip(model, cfg: LoopConfig, ctx) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if ctx.parallel is not None:  # gradients on several meshes, or on one pipeline stage only
+        from train.parallel.grad_norm import clip_grads
+
+        return clip_grads(params, cfg.grad_clip, ctx.parallel)
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def optimizer_step(
-    model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn: AttentionSetup, record: bool
+    model, batch, cfg: LoopConfig, loss_fn, optimizer, scaler, plan, ctx, fsdp, attn: AttentionSetup, record: bool,
+    pipeline=None,
 ) -> dict:
     """Accumulate gradients over micro-batches (retrying smaller on OOM if dynamic), clip, step.
 
     Returns the step's loss and gradient norm as device tensors: nothing here waits for the device.
-    The SDPA kernel choice covers backward too: activation checkpointing recomputes attention there."""
+    The SDPA kernel choice covers backward too: activation checkpointing recomputes attention there.
+    With ``pipeline`` (a pipelining schedule) the schedule runs the micro-batches instead; the loss
+    is the last stage's (0 on the others)."""
+    if pipeline is not None:
+        from train.parallel.pipeline import pipeline_step
+
+        with attn.context():
+            loss_sum = pipeline_step(pipeline, ctx.parallel, batch)
+        return _finish_step(model, cfg, optimizer, None, ctx, loss_sum)
     total_tokens = batch["labels"].numel()
     while True:
         try:
@@ -113,12 +132,14 @@ def optimizer_step(
             plan.shrink(exc)
             if ctx.device.type == "cuda":
                 torch.cuda.empty_cache()
+    return _finish_step(model, cfg, optimizer, scaler, ctx, loss_sum)
+
+
+def _finish_step(model, cfg: LoopConfig, optimizer, scaler, ctx, loss_sum: torch.Tensor) -> dict:
+    """Unscale, clip by the global norm, step and clear the gradients."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    norm = _clip(model, cfg, ctx)
     clip_offloaded_grads(optimizer, norm, cfg.grad_clip)
     if scaler is not None:
         scaler.step(optimizer)

@@ -70,7 +70,8 @@ class Throughput:
 
 class PendingSteps:
     """Steps whose loss and gradient norm still live on the device; :meth:`read` fetches them all
-    with one copy (and, under FSDP, one all-reduce of the per-rank losses)."""
+    with one copy (and, under FSDP, one all-reduce of the per-rank losses, each weighted by its
+    share: ``DistContext.loss_weight``)."""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
@@ -88,9 +89,9 @@ class PendingSteps:
         if self.ctx.world > 1:
             import torch.distributed as dist
 
-            losses = values[:, 0].to(self.ctx.device, torch.float64)
+            losses = values[:, 0].to(self.ctx.device, torch.float64) * self.ctx.loss_weight
             dist.all_reduce(losses)
-            values = torch.stack([losses / self.ctx.world, values[:, 1].to(self.ctx.device, torch.float64)], 1)
+            values = torch.stack([losses, values[:, 1].to(self.ctx.device, torch.float64)], 1)
         host = values.tolist()  # the one device sync of the interval
         rows = self.rows
         for row, (loss, norm) in zip(rows, host):

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from targets.atomic import atomic_dir, sha256_file
+from targets.moe import dense_experts
 from export.base import EXECUTORCH_TOOLCHAIN, ExportError, ExportOptions, ExportResult, Exporter
 from export.base import eos_token_ids, package_versions
 from export.executorch.inspection import _check_custom_ops, _delegation, _program_calls
@@ -188,6 +189,9 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     # Work on a copy: quantize_, the norm swap and the attention switch mutate the module, and
     # the pipeline keeps using the model it handed us.
     model = copy.deepcopy(model).eval()
+    # a mixture of experts runs every expert on every token, weighted by its routing weight (0 where
+    # not routed): the same function, with no data-dependent shapes for torch.export (targets/moe.py)
+    experts = dense_experts(model)
     _cast_floats(model, dtype)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and head.weight is model.get_input_embeddings().weight
@@ -261,7 +265,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "fused_projections": fusion, "merged_linears": merged,
                            "residual_boundaries": boundaries, "head_transposes_removed": transposes,
                            "joint_rope_layers": joint_rope, "xnnpack_passes_skipped": skipped,
-                           "prefill_chunk": chunk, "sliding_windows": plan.windows,
+                           "prefill_chunk": chunk, "sliding_windows": plan.windows, "dense_experts": len(experts),
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,
                                 "exported_linear": mix_details(graph_schemes)},

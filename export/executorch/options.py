@@ -129,7 +129,14 @@ DEFAULT_MAX_SEQ_LEN = 512
 #: transformers model types whose attention this exporter routes through ExecuTorch's LLM ops
 #: (each covered by a test against eager)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "smollm3",
-                         "gpt2", "opt", "gpt_neox")
+                         "gpt2", "opt", "gpt_neox", "mixtral")
+#: why a family transformers builds cannot take the custom-op path (a more useful refusal than the list)
+UNSUPPORTED_WHY = {
+    model_type: "ALiBi attention (a per-head linear bias added to the attention scores, no rotary positions): "
+                "ExecuTorch's llama::custom_sdpa adds no bias to the scores, so this exporter cannot run its "
+                "attention; the onnxruntime target exports it"
+    for model_type in ("bloom", "mpt")
+}
 
 
 def model_problems(config: Any, opts: ExecuTorchOptions) -> list[str]:
@@ -139,6 +146,8 @@ def model_problems(config: Any, opts: ExecuTorchOptions) -> list[str]:
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     problems: list[str] = []
     model_type = getattr(cfg, "model_type", None)
+    if model_type in UNSUPPORTED_WHY:
+        return [f"model type {model_type!r} uses {UNSUPPORTED_WHY[model_type]}"]
     if model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(
             f"model type {model_type!r} is not supported by the ExecuTorch exporter's custom-op attention and KV "

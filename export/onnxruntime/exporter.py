@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from targets.atomic import sha256_file
+from targets.moe import export_form
 from export.base import ExportError, ExportResult, Exporter
 from export.onnxruntime.dynamo import calibration_windows as _calibration, io_names as _io_names, quantize_graph as _quantize
 from export.onnxruntime.dynamo import torch_export as _torch_export
@@ -128,7 +129,12 @@ class OnnxRuntimeExporter(Exporter):
                 manifest["decode_ops"] = info["decode_ops"]
             return manifest
 
-        result = _ship(Path(out_dir), build_fused if graph == "fused" else build_dynamo, log)
+        # a mixture of experts traced in the dense form (every expert on every token, weighted by its
+        # routing weight: the same function without data-dependent shapes), and left as it was
+        with export_form(model) as experts:
+            result = _ship(Path(out_dir), build_fused if graph == "fused" else build_dynamo, log)
+        if experts:
+            result.details["dense_experts"] = len(experts)
         if graph == "fused":
             result.details.update(graph="fused", ops=result.manifest["ops"],
                                   genai_greedy=result.manifest["smoke_check"]["genai_greedy"])

@@ -20,7 +20,7 @@ from targets.devices import load_device
 __all__ = ["DYNAMO_MODEL_TYPES", "FUSED_MODEL_TYPES", "OnnxRuntimeOptions", "SUPPORTED_MODEL_TYPES"]
 
 #: model types whose HF code exports with a DynamicCache through torch.onnx, verified against eager here
-DYNAMO_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "opt", "gpt_neox")
+DYNAMO_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "opt", "gpt_neox", "mixtral", "bloom")
 #: model types the fused graph (onnxruntime-genai's model builder) is built and verified for
 FUSED_MODEL_TYPES = tuple(FUSED_ARCHITECTURES)
 SUPPORTED_MODEL_TYPES = tuple(dict.fromkeys(FUSED_MODEL_TYPES + DYNAMO_MODEL_TYPES))
@@ -126,7 +126,7 @@ class OnnxRuntimeOptions(ExportOptions):
 
 def _sliding(config) -> bool:
     return bool("sliding_attention" in (getattr(config, "layer_types", None) or ())
-                or (getattr(config, "model_type", None) in ("mistral", "phi3") and getattr(config, "sliding_window", None)))
+                or (getattr(config, "model_type", None) in ("mistral", "phi3", "mixtral") and getattr(config, "sliding_window", None)))
 
 
 def _resolve_graph(config, opts: OnnxRuntimeOptions) -> tuple[str, list[str]]:

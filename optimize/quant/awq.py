@@ -112,7 +112,9 @@ def awq_scale(
     stats = collect_stats(model, groups, windows, keep_tokens=rows)
     result = AwqResult(groups=len(groups))
     for g in groups:
-        st = stats[g.name]
+        st = stats.get(g.name)
+        if st is None:  # an expert no calibration token was routed to: nothing to scale by (s = 1)
+            continue
         x = torch.cat(st.samples)[:rows]
         weights = [model.get_submodule(n).weight.detach().float() for n in g.linears if n not in skip]
         alpha, s, e0, e1 = search_group(x, weights, g, st.absmean, scheme, grid)

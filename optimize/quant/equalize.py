@@ -11,8 +11,9 @@ so the model computes the same function and nothing is added at run time:
 - ``o``:       v_proj rows / s  ->  o_proj columns * s, repeated over the query heads that share
                each KV head (attention output is a convex mix of V rows, so it is linear in V)
 
-Which norm is which, fused projections and Gemma's ``x * (1 + w)`` norms are per
-architecture (:mod:`optimize.quant.fold_layouts`); others are refused. The stages check the
+In a mixture of experts (its experts split into Linears by :mod:`targets.moe`) ``gate_up`` scales
+the router's columns too, and ``down`` is one group per expert. Which norm is which, fused
+projections and Gemma's ``x * (1 + w)`` norms are per architecture (:mod:`optimize.quant.fold_layouts`); others are refused. The stages check the
 logits after folding (:mod:`optimize.rewrites.exactness`).
 """
 
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from optimize.device import model_device
-from optimize.quant.fold_layouts import FoldRefused, layout_for, norm_offset
+from optimize.quant.fold_layouts import FoldLayout, FoldRefused, layout_for, norm_offset
+from targets.moe import UnfusedExperts
 from train.model_parts import decoder_blocks
 
 FoldKind = Literal["qkv", "gate_up", "down", "o"]
@@ -44,6 +46,14 @@ class FoldGroup:
     head_dim: int = 0
     #: linear sources only: the output rows ``[start, stop)`` that are the activation (fused projections)
     rows: tuple[int, int] | None = None
+    #: readers whose columns take the scales too but stay unquantized, so the scale searches leave them
+    #: out (a mixture of experts' router: it reads every token, the experts only those routed to them)
+    fixed: list[str] = field(default_factory=list)
+
+    @property
+    def reader(self) -> str:
+        """The module whose input is the activation, as every token sees it (statistics are hooked here)."""
+        return (self.fixed or self.linears)[0]
 
     @property
     def name(self) -> str:
@@ -102,16 +112,7 @@ def fold_groups(model: nn.Module, kinds: tuple[FoldKind, ...] | list[FoldKind] =
                 _linear(model, r)
             v_src, v_rows = f"{a}.v_proj", None
         o = _linear(model, f"{a}.o_proj")
-        if lay.fused_gate_up:
-            gu = _linear(model, f"{m}.{lay.fused_gate_up}")
-            half = gu.out_features // 2
-            mlp_readers, up_src, up_rows = [f"{m}.{lay.fused_gate_up}"], f"{m}.{lay.fused_gate_up}", (half, 2 * half)
-        else:
-            mlp_readers = [f"{m}.gate_proj", f"{m}.up_proj"]
-            for r in mlp_readers:
-                _linear(model, r)
-            up_src, up_rows = f"{m}.up_proj", None
-        down = _linear(model, f"{m}.down_proj")
+        mlp_readers, fixed, downs = _mlp_readers(model, m, lay)
         if "qkv" in kinds:
             _module(model, f"{name}.{lay.attn_norm}", "the norm feeding the attention projections")
             groups.append(FoldGroup("qkv", f"{name}.{lay.attn_norm}", readers))
@@ -123,13 +124,42 @@ def fold_groups(model: nn.Module, kinds: tuple[FoldKind, ...] | list[FoldKind] =
             groups.append(FoldGroup("o", v_src, [f"{a}.o_proj"], repeat=n_heads // n_kv, head_dim=head_dim, rows=v_rows))
         if "gate_up" in kinds:
             _module(model, f"{name}.{lay.mlp_norm}", "the norm feeding the MLP")
-            groups.append(FoldGroup("gate_up", f"{name}.{lay.mlp_norm}", mlp_readers))
+            groups.append(FoldGroup("gate_up", f"{name}.{lay.mlp_norm}", mlp_readers, fixed=fixed))
         if "down" in kinds:
-            width = (up_rows[1] - up_rows[0]) if up_rows else _linear(model, up_src).out_features
-            if down.in_features != width:
-                raise FoldRefused(f"{m}.down_proj reads {down.in_features} columns but the up projection writes {width}")
-            groups.append(FoldGroup("down", up_src, [f"{m}.down_proj"], rows=up_rows))
+            for up_src, up_rows, down_name in downs:
+                down = _linear(model, down_name)
+                width = (up_rows[1] - up_rows[0]) if up_rows else _linear(model, up_src).out_features
+                if down.in_features != width:
+                    raise FoldRefused(f"{down_name} reads {down.in_features} columns but the up projection writes {width}")
+                groups.append(FoldGroup("down", up_src, [down_name], rows=up_rows))
     return groups
+
+
+def _mlp_readers(model: nn.Module, m: str, lay: FoldLayout) -> tuple[list[str], list[str], list[tuple[str, tuple | None, str]]]:
+    """The MLP ``m``'s readers of its pre-norm (Linears, and the router of a mixture of experts),
+    and each ``(up source, its rows, down projection)`` pair: one per expert in a mixture."""
+    if lay.experts:
+        experts = _module(model, f"{m}.{lay.experts}", "the mixture's experts")
+        if not isinstance(experts, UnfusedExperts):
+            raise FoldRefused(f"{m}.{lay.experts} keeps its experts fused in 3-D weights; the folds need one Linear "
+                              "per expert projection (targets.moe.unfuse_experts)")
+        router = _module(model, f"{m}.{lay.router}", "the router reading the MLP's input")
+        w = getattr(router, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise FoldRefused(f"{m}.{lay.router} has no [experts, hidden] weight to carry the scales")
+        prefixes = [f"{m}.{lay.experts}.{e}" for e in range(len(experts))]
+        readers = [f"{p}.{proj}" for p in prefixes for proj in ("gate_proj", "up_proj")]
+        for r in readers:
+            _linear(model, r)
+        return readers, [f"{m}.{lay.router}"], [(f"{p}.up_proj", None, f"{p}.down_proj") for p in prefixes]
+    if lay.fused_gate_up:
+        gu = _linear(model, f"{m}.{lay.fused_gate_up}")
+        half = gu.out_features // 2
+        return [f"{m}.{lay.fused_gate_up}"], [], [(f"{m}.{lay.fused_gate_up}", (half, 2 * half), f"{m}.down_proj")]
+    readers = [f"{m}.gate_proj", f"{m}.up_proj"]
+    for r in readers:
+        _linear(model, r)
+    return readers, [], [(f"{m}.up_proj", None, f"{m}.down_proj")]
 
 
 def channels(model: nn.Module, g: FoldGroup) -> int:
@@ -162,7 +192,7 @@ def apply_fold(model: nn.Module, g: FoldGroup, s: torch.Tensor) -> None:
         if getattr(src, "bias", None) is not None:
             src.bias.copy_((src.bias.double() / s.double()).to(src.bias.dtype))
     cols = expand(g, s).double()
-    for name in g.linears:
+    for name in g.linears + g.fixed:
         lin = model.get_submodule(name)
         lin.weight.copy_((lin.weight.double() * cols.view(1, -1)).to(lin.weight.dtype))
 
@@ -200,7 +230,8 @@ class ActStats:
 def collect_stats(
     model: nn.Module, groups: list[FoldGroup], windows: list[torch.Tensor], keep_tokens: int = 0
 ) -> dict[str, ActStats]:
-    """Run the calibration windows and record what the first reader of each group receives.
+    """Run the calibration windows and record what each group's :attr:`~FoldGroup.reader` receives
+    (a mixture's expert that no token was routed to has no entry: its folds keep ``s = 1``).
 
     ``keep_tokens`` > 0 also keeps that many input rows per group (spread over the windows)
     for scale searches that measure the layer's output error.
@@ -233,7 +264,7 @@ def collect_stats(
         return fn
 
     for g in groups:
-        handles.append(model.get_submodule(g.linears[0]).register_forward_pre_hook(hook(g.name)))
+        handles.append(model.get_submodule(g.reader).register_forward_pre_hook(hook(g.name)))
     try:
         for w in windows:
             model(w.view(1, -1).to(device))

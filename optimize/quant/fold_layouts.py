@@ -12,6 +12,11 @@ feeding those readers, and if its scale is folded the way the module computes it
 - Gemma's RMSNorm computes ``x * (1 + w)``; dividing its output by ``s`` means
   ``w' = (1 + w) / s - 1``, not ``w / s`` (:func:`norm_offset` measures the offset);
 - Phi-3 fuses ``qkv_proj`` and ``gate_up_proj``: the v rows and the up rows are slices;
+- Mixtral's MLP is a mixture of experts: ``post_attention_layernorm`` feeds the router and every
+  expert's gate/up projections (one ``gate_up`` group, the router's columns scaled too, so its
+  logits and every routing decision stay as they were), and each expert's up rows feed only its
+  own down projection (one ``down`` group per expert), on the per-expert Linears of
+  :mod:`targets.moe`;
 - Qwen3/Gemma3 normalise q and k per head after the projection (``q_norm``/``k_norm``): no
   fold here changes a q or k projection's output (``qkv`` rescales their input columns with
   the inverse folded into the norm before them, ``o`` touches only v), so those norms see
@@ -45,6 +50,10 @@ class FoldLayout:
     fused_gate_up: str | None = None
     #: what the norms compute, for messages (the fold measures it: :func:`norm_offset`)
     norm: str = "x * w"
+    #: a mixture of experts: the MLP's experts module, split into per-expert Linears
+    #: (:func:`targets.moe.unfuse_experts`), and the router beside it that reads the same activation
+    experts: str | None = None
+    router: str | None = None
 
 
 _GEMMA2 = FoldLayout(mlp_norm="pre_feedforward_layernorm", norm="x * (1 + w)")
@@ -58,6 +67,7 @@ LAYOUTS: dict[str, FoldLayout] = {
     "gemma": FoldLayout(norm="x * (1 + w)"),
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA2,
+    "mixtral": FoldLayout(experts="experts", router="gate"),
 }
 
 

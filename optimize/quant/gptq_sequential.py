@@ -28,6 +28,7 @@ from optimize.quant.gptq_cache import GptqBlockCache
 from optimize.quant.gptq_rows import row_graphs
 from optimize.quant.host_independent import casts, computing_in
 from optimize.resources import release_free_heap
+from targets.moe import expert_linears
 from train.model_parts import block_of, decoder_blocks
 
 
@@ -72,6 +73,9 @@ class GptqRunResult:
     cuda_graphs: dict | None = None
     #: what the blocks' cache did (:mod:`optimize.quant.gptq_cache`): "reused", "stored", or None without one
     blocks_cache: str | None = None
+    #: a mixture of experts: the calibration tokens routed to each expert Linear; one that got none is
+    #: solved with an identity Hessian, which makes GPTQ round to nearest
+    expert_tokens: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict:
         rtn = [r.rel_error_rtn for r in self.layers.values()]
@@ -84,6 +88,10 @@ class GptqRunResult:
             "mean_rel_output_error_gptq": round(sum(gq) / n, 6),
             "output_error_reduction": round(1.0 - sum(gq) / max(sum(rtn), 1e-30), 4),
             "damp_counts": _counts(r.damp for r in self.layers.values()),
+            **({"expert_linears": len(self.expert_tokens),
+                "expert_linears_without_tokens": sorted(n for n, t in self.expert_tokens.items() if not t),
+                "expert_tokens_min_max": [min(self.expert_tokens.values()), max(self.expert_tokens.values())]}
+               if self.expert_tokens else {}),
             "damp_by_projection": {kind: _counts(r.damp for n, r in self.layers.items() if n.rsplit(".", 1)[-1] == kind)
                                    for kind in sorted({n.rsplit(".", 1)[-1] for n in self.layers})},
         }
@@ -232,6 +240,9 @@ def _gptq_model(
         stages.setdefault(block_of(name, blocks), []).append(name)
     order = [b for b in blocks if b in stages] + ([None] if None in stages else [])
     result = GptqRunResult()
+    # a mixture of experts' Linears run on the tokens routed to them (targets/moe.py): their Hessians
+    # are their own tokens' (maybe none)
+    routed = set(expert_linears(model))
 
     def calibrate_and_quantize(names: list[str], feeds: list[Callable[[], None]], label: str) -> None:
         """Feed the windows (one callable each) with Hessian hooks on ``names``, then GPTQ them."""
@@ -246,8 +257,16 @@ def _gptq_model(
             collector.close()
         result.tokens = max(result.tokens, max(collector.tokens.values(), default=0))
         for name in names:
-            if name not in collector.h:
+            if name in routed:
+                result.expert_tokens[name] = collector.tokens.get(name, 0)
+            if name in collector.h:
+                continue
+            if name not in routed:
                 raise ValueError(f"GPTQ: {name} received no input during calibration (is it used in forward?)")
+            # an expert no calibration token was routed to: no data weights its errors, and with
+            # H = I GPTQ rounds to nearest (a zero Hessian would zero its "dead" columns instead)
+            lin = model.get_submodule(name)
+            collector.h[name] = torch.eye(lin.in_features, dtype=torch.float64, device=lin.weight.device)
         t0 = _clock(device or home)
         result.calibrate_s += t0 - t_feed
         # GPTQ each group of Linears that read one input (q/k/v, gate/up) from its Hessian; install

@@ -167,7 +167,9 @@ def plan_rotation(model: nn.Module, r1: bool = True, r2: bool = True) -> Rotatio
         plan.hidden = emb.embedding_dim
 
     if r1:
-        why = _r1_problem(model, plan, lay)
+        routers = [f for g in groups for f in g.fixed]
+        why = (f"a mixture of experts' router ({routers[0]}) reads the residual stream, and R1 folds into "
+               "Linears only" if routers else _r1_problem(model, plan, lay))
         if why:
             plan.r1_refused = why
     if r2 and not plan.heads:

@@ -54,7 +54,9 @@ def smooth(
     stats = collect_stats(model, groups, windows)
     before, after, lo, hi = [], [], float("inf"), 0.0
     for g in groups:
-        st = stats[g.name]
+        st = stats.get(g.name)
+        if st is None:  # an expert no calibration token was routed to: nothing to scale by (s = 1)
+            continue
         readers = [model.get_submodule(n).weight for n in g.linears]
         if g.kind == "o":  # one scale per v channel, shared by the o_proj columns that read it
             act = reduce(g, st.absmax)

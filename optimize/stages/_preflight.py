@@ -15,6 +15,7 @@ from torch import nn
 
 from optimize.quant.equalize import fold_groups
 from optimize.quant.fold_layouts import FoldRefused, layout_for
+from targets.moe import ExpertsRefused, unfuse_experts
 from train.model_parts import meta_model
 
 log = logging.getLogger("optimize")
@@ -31,10 +32,27 @@ def meta_or_none(config: Any) -> nn.Module | None:
         return None
 
 
-def with_meta_model(config: Any, check: Callable[[nn.Module], list[str]]) -> list[str]:
-    """``check(meta model)``, or [] when there is no meta model (see :func:`meta_or_none`)."""
+def with_meta_model(config: Any, check: Callable[[nn.Module], list[str]], split_experts: bool = False) -> list[str]:
+    """``check(meta model)``, or [] when there is no meta model (see :func:`meta_or_none`).
+
+    ``split_experts``: a mixture of experts is checked as the stage will see it, its fused expert
+    weights split into per-expert Linears (:func:`targets.moe.unfuse_experts`; the stages that do
+    that first: ptq_int8, smoothquant, awq, rotate); a layout that cannot be split is the problem."""
     model = meta_or_none(config)
-    return check(model) if model is not None else []
+    if model is None:
+        return []
+    if split_experts:
+        try:
+            unfuse_experts(model)
+        except ExpertsRefused as exc:
+            return [str(exc)]
+    return check(model)
+
+
+def split_experts(model: nn.Module, cfg: Any = None) -> list[str]:
+    """A stage's first step where it works on Linears, and its ``restore`` for checkpoints: a mixture's
+    experts as one Linear per expert projection (the same function; :mod:`targets.moe`)."""
+    return unfuse_experts(model)
 
 
 def on_fold_layout(config: Any, check: Callable[[nn.Module], list[str]]) -> list[str]:
@@ -52,7 +70,7 @@ def on_fold_layout(config: Any, check: Callable[[nn.Module], list[str]]) -> list
         except FoldRefused as exc:
             return [str(exc)]
 
-    return with_meta_model(config, guarded)
+    return with_meta_model(config, guarded, split_experts=True)
 
 
 def fold_problems(config: Any, folds: list[str] | tuple[str, ...]) -> list[str]:

@@ -24,7 +24,7 @@ from optimize.quant.fakequant import scheme_for
 from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE, CalibrationDtype, computing_in, resolve
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
-from optimize.stages._preflight import fold_problems, with_meta_model
+from optimize.stages._preflight import fold_problems, split_experts, with_meta_model
 from targets.group_size import group_size_error, widths_error
 
 #: ptq_int8's weight_qparams -> the fake-quant algorithm with the same numerics
@@ -83,7 +83,7 @@ class AwqConfig(StageConfig):
         problems = fold_problems(config, self.folds)
         if problems or self.scheme == "8da8w":
             return problems
-        return with_meta_model(config, self._group_size_problems)
+        return with_meta_model(config, self._group_size_problems, split_experts=True)
 
     def _group_size_problems(self, model: nn.Module) -> list[str]:
         """The int4 search fake-quantizes every searched reader in groups of group_size."""
@@ -97,11 +97,12 @@ class AwqConfig(StageConfig):
         return [why] if why else []
 
 
-@register_stage("awq", AwqConfig)
+@register_stage("awq", AwqConfig, restore=split_experts)
 def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     """Activation-aware (AWQ) per-channel scaling for int4 weights, searched on calibration text and folded exactly."""
     if not ctx.calibration:
         raise ValueError("awq needs calibration text; set data.calibration_tokens > 0")
+    split_experts(model)
     typos = unmatched_patterns(model, cfg.keep_high_precision)
     if typos:
         raise ValueError(f"awq: keep_high_precision pattern(s) {typos} match no module of {type(model).__name__}")

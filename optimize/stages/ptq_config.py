@@ -251,7 +251,8 @@ class Ptq8Config(StageConfig):
         if self.quantize_embedding == "tied" and target is not None and getattr(target, "exporter", None) != "onnxruntime":
             return [f"quantize_embedding: tied is read by the onnxruntime target only (GatherBlockQuantized); "
                     f"target {target.name!r} needs int8 or int4"]
-        return with_meta_model(config, check)
+        # as the stage does first: a mixture's experts are planned as the Linears they become
+        return with_meta_model(config, check, split_experts=True)
 
     @property
     def promote_to(self) -> str:

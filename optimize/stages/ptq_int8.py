@@ -37,9 +37,10 @@ from optimize.stage_api import StageContext, register_stage
 from optimize.stages.ptq_config import Ptq8Config
 from optimize.stages.ptq_gptq import install_integers, quantize_gptq
 from optimize.stages.ptq_plan import LayerPlan, untie_config
+from targets.moe import expert_linears, routers, unfuse_experts
 
 #: Ptq8Config is defined in ptq_config (read by the GPTQ glue and QAT too) and named here with its stage
-__all__ = ["Ptq8Config", "budget_plan", "embedding_config", "linear_config", "ptq_int8"]
+__all__ = ["Ptq8Config", "budget_plan", "embedding_config", "linear_config", "ptq_int8", "restore"]
 
 
 def linear_config(cfg: Ptq8Config):
@@ -135,11 +136,20 @@ def install_grids(model: nn.Module, grids: dict, cfg: Ptq8Config) -> dict:
             "max_relative_error": worst}
 
 
-@register_stage("ptq_int8", Ptq8Config, restore=lambda model, cfg: restore_grid(model))
+def restore(model: nn.Module, cfg: Ptq8Config) -> None:
+    """A checkpoint's skeleton rebuilt as the stage left the model: experts unfused, grids recorded."""
+    unfuse_experts(model)
+    restore_grid(model)
+
+
+@register_stage("ptq_int8", Ptq8Config, restore=restore)
 def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
     """Quantize nn.Linear layers with torchao: 8da8w (int8 per-channel) or 8da4w (int4 groups), round-to-nearest or GPTQ, mixed precision by hand or by budget."""
     from torchao.quantization import quantize_
 
+    # a mixture of experts: one Linear per expert projection (the same function), so torchao and
+    # GPTQ see every expert; the router (no nn.Linear) stays fp32 and routes as before
+    unfused = unfuse_experts(model)
     p = cfg.layer_plan(model)
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -200,6 +210,11 @@ def ptq_int8(model: nn.Module, cfg: Ptq8Config, ctx: StageContext) -> nn.Module:
         ctx.details["mixed_precision"] = budget
     if p["conv1d_skipped"]:
         ctx.details["conv1d_kept_fp32"] = p["conv1d_skipped"]
+    if unfused:
+        experts = set(expert_linears(model))
+        ctx.details["experts"] = {"blocks_unfused": len(unfused), "expert_linears": len(experts),
+                                  "expert_linears_quantized": len(experts & set(p["selected"])),
+                                  "routers_kept_fp32": routers(model)}
     ctx.log(
         f"ptq_int8 {cfg.scheme} ({cfg.algorithm}): quantized {len(p['selected'])} Linear layers"
         + (f" ({len(eight)} at 8da8w)" if eight else "")

@@ -16,6 +16,7 @@ from torch import nn
 
 from optimize.module_select import SHORTHANDS, is_tied, module_name, select_modules, unmatched_patterns
 from targets.group_size import embedding_width_error, widths_error
+from targets.moe import fused_expert_params
 
 
 class LayerPlan(TypedDict):
@@ -79,6 +80,13 @@ def plan(
     if already:
         raise ValueError(f"ptq_int8: {len(already)} layer(s) are already quantized (e.g. {already[0]}); "
                          "a model goes through one quantization stage")
+    fused = fused_expert_params(model)
+    if fused:
+        raise ValueError(
+            f"ptq_int8: {type(model).__name__} keeps {len(fused)} expert weights fused in 3-D parameters (e.g. "
+            f"{fused[0]}); torchao quantizes nn.Linear only, so they would stay fp32. Split them into per-expert "
+            "Linears first (targets.moe.unfuse_experts; ptq_int8 does it itself)"
+        )
     conv1d = conv1d_names(model)
     if conv1d and modules is None:
         raise ValueError(

@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError, model_validator
 from torch import nn
 
 from optimize.stage_api import StageContext, register_stage
+from optimize.stages._preflight import split_experts
 from optimize.module_select import is_tied
 from optimize.stages.distill import TrainingStageConfig, resolve_teacher, run_training
 from optimize.stages.ptq_config import Ptq8Config
@@ -121,7 +122,7 @@ def _only(names: set[str]):
     return lambda m, fqn: isinstance(m, nn.Linear) and fqn in names
 
 
-@register_stage("qat", QatConfig, uses_baseline=True)
+@register_stage("qat", QatConfig, uses_baseline=True, restore=split_experts)
 def qat(model: nn.Module, cfg: QatConfig, ctx: StageContext) -> nn.Module:
     """Quantization-aware training (torchao QATConfig prepare -> fine-tune -> convert) to 8da4w/8da8w; scheme from the target unless given."""
     from torchao.quantization import quantize_
@@ -133,6 +134,7 @@ def qat(model: nn.Module, cfg: QatConfig, ctx: StageContext) -> nn.Module:
         if problems:
             raise ValueError("qat: " + "; ".join(problems))
     pcfg = cfg.ptq_config(ctx.target)
+    split_experts(model)  # as ptq_int8 does: a mixture's experts are trained and quantized as Linears
     try:
         p = pcfg.layer_plan(model)
     except ValueError as exc:

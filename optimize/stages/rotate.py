@@ -19,7 +19,7 @@ from torch import nn
 from optimize.quant.rotate import plan_rotation, rotate_model
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
-from optimize.stages._preflight import on_fold_layout
+from optimize.stages._preflight import on_fold_layout, split_experts
 
 
 class RotateConfig(StageConfig):
@@ -70,9 +70,10 @@ class RotateConfig(StageConfig):
         return config
 
 
-@register_stage("rotate", RotateConfig)
+@register_stage("rotate", RotateConfig, restore=split_experts)
 def rotate(model: nn.Module, cfg: RotateConfig, ctx: StageContext) -> nn.Module:
     """Exact Hadamard rotations (R1 residual stream, R2 per head) folded into the weights, for 4-bit."""
+    split_experts(model)
     plan = plan_rotation(model, cfg.r1, cfg.r2)
     was_training = model.training
     model.eval()

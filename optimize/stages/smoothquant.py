@@ -24,7 +24,7 @@ from torch import nn
 from optimize.quant.smoothquant import smooth
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
-from optimize.stages._preflight import fold_problems
+from optimize.stages._preflight import fold_problems, split_experts
 
 
 class SmoothQuantConfig(StageConfig):
@@ -61,11 +61,12 @@ class SmoothQuantConfig(StageConfig):
         return fold_problems(config, self.folds)
 
 
-@register_stage("smoothquant", SmoothQuantConfig)
+@register_stage("smoothquant", SmoothQuantConfig, restore=split_experts)
 def smoothquant(model: nn.Module, cfg: SmoothQuantConfig, ctx: StageContext) -> nn.Module:
     """SmoothQuant outlier migration for W8A8, folded exactly into norms/linears (no run-time cost)."""
     if not ctx.calibration:
         raise ValueError("smoothquant needs calibration text; set data.calibration_tokens > 0")
+    split_experts(model)
     windows = ctx.calibration[: cfg.calibration_windows]
     was_training = model.training
     model.eval()

@@ -41,6 +41,8 @@ FAMILIES = {
     "smollm3": ("smollm3", {"no_rope_layer_interval": 2}),  # layer 1 without RoPE (NoPE)
     # attention logit soft-capping (no custom_sdpa: plain ops over the same cache), local + global
     "gemma2-softcap": ("gemma2", {"head_dim": 16, "sliding_window": WINDOW, "initializer_range": 0.02}),
+    # a mixture of experts (4 experts, top-2), exported in the dense form of targets/moe.py
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -102,9 +104,13 @@ def test_logits_match_eager(lowered, ids, family):
     # q/k/v and gate/up ran as one GEMM each (Phi-3's checkpoint has them fused already), and each
     # layer's ops stayed in one XNNPACK call: fused-projection splits and Phi-3's chunk are slices there
     layers = BASE["num_hidden_layers"]
+    experts = 4 if family == "mixtral" else 1  # Mixtral: gate/up fused per expert
+    assert details["llm_ops"]["dense_experts"] == (layers if family == "mixtral" else 0)
     fused = details["llm_ops"]["fused_projections"]
     assert fused["fused"] == ({"q_proj+k_proj+v_proj": 0, "gate_proj+up_proj": 0} if family.startswith("phi3") else
-                              {"q_proj+k_proj+v_proj": layers, "gate_proj+up_proj": layers}), fused
+                              {"q_proj+k_proj+v_proj": layers, "gate_proj+up_proj": layers * experts}), fused
+    if family == "mixtral":  # the dense experts' sums are hidden-width adds that the residual split counts too
+        return
     assert details["llm_ops"]["merged_linears"] == (0 if family.startswith("phi3") else 3 * layers)
     # each layer in three XNNPACK calls, split at its two residual adds (export/executorch/xnnpack_boundaries.py)
     assert details["llm_ops"]["residual_boundaries"] == 2 * layers, details["llm_ops"]
@@ -258,7 +264,7 @@ def _config(model_type: str, **over):
 @pytest.mark.parametrize(
     "model_type, over, opts, message",
     [
-        ("bloom", {}, {}, "model type 'bloom' is not supported by the ExecuTorch exporter"),  # ALiBi
+        ("bloom", {}, {}, "model type 'bloom' uses ALiBi attention"),  # llama::custom_sdpa adds no bias
         ("llama", {}, {"max_seq_len": 512}, "max_seq_len=512 exceeds the model's max_position_embeddings=256"),
         ("llama", {}, {"quantize": "8da4w", "group_size": 96}, "group_size=96 does not divide the in_features"),
         ("llama", {}, {"quantize": "8da4w", "group_size": 40}, "group_size=40 is not a multiple of 32"),
@@ -289,7 +295,7 @@ def test_validate_refuses_before_any_stage(tmp_path):
         "model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4, "vocab_size": 49152}},
         "target": "executorch", "stages": []}, check_model=False)
     problems = model_problems(cfg)
-    assert any(where == "target" and "model type 'bloom' is not supported" in msg for where, msg in problems), problems
+    assert any(where == "target" and "model type 'bloom' uses ALiBi" in msg for where, msg in problems), problems
 
 
 def test_profile_max_seq_len_reaches_the_exporter(tmp_path):
@@ -319,5 +325,5 @@ def test_unsupported_attention_is_refused_at_export():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(_config("bloom", n_layer=1, n_head=4)).eval()
-    with pytest.raises(ExportError, match="model type 'bloom' is not supported"):
+    with pytest.raises(ExportError, match="model type 'bloom' uses ALiBi"):
         lower_to_pte(model, _Tok(), ExecuTorchOptions(max_seq_len=16), log=lambda *_: None)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from targets.atomic import sha256_file
 from export.base import ExportError, get_exporter
 from export.onnxruntime.exporter import OnnxRuntimeExporter, OnnxRuntimeOptions, OnnxRuntimeRunner, check_onnx
+from export.onnxruntime.options import _resolve_graph
 from export.onnxruntime.int8_format import host_u8s8_saturates
 from export.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import greedy_match, logits_parity
@@ -247,11 +248,25 @@ def test_lm_head_and_embedding_int8(tiny, text_ids, tmp_path, exported):
 
 
 def test_unsupported_model_type(tmp_path, tiny):
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import GPTJConfig, GPTJForCausalLM
 
-    model = BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=32, n_layer=1, n_head=2))
-    with pytest.raises(ExportError, match=r"model_type 'bloom' is not supported; supported: llama, mistral, qwen2"):
+    model = GPTJForCausalLM(GPTJConfig(vocab_size=128, n_embd=32, n_layer=1, n_head=2, rotary_dim=8))
+    with pytest.raises(ExportError, match=r"model_type 'gptj' is not supported; supported: llama, mistral, qwen2"):
         OnnxRuntimeExporter().export(model, tiny.tokenizer, tmp_path, {}, log=_quiet)
+
+
+@pytest.mark.parametrize("config, problem", [
+    (dict(model_type="bloom", n_layer=1, n_head=2), None),  # ALiBi: the HF code's own bias, traced as it is
+    (dict(model_type="mixtral", num_local_experts=4), None),  # traced in targets/moe.py's dense form
+    (dict(model_type="mixtral", num_local_experts=4, sliding_window=8), "mixtral with sliding-window attention"),
+])
+def test_alibi_and_experts_take_the_dynamo_graph(config, problem):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**config, vocab_size=128)
+    graph, problems = _resolve_graph(cfg, OnnxRuntimeOptions())
+    assert graph == "dynamo"
+    assert (problems == []) if problem is None else any(problem in p for p in problems), problems
 
 
 def test_non_fp32_model_refused(tmp_path):

@@ -410,8 +410,8 @@ def _validate(tmp_path: Path, config: dict, **extra):
 
 
 def test_unsupported_model_refused_at_validation_with_the_list(tmp_path):
-    msg = _validate(tmp_path, dict(model_type="bloom", vocab_size=128, hidden_size=32, n_layer=1, n_head=2))
-    assert "model_type 'bloom' is not supported; supported: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, " \
+    msg = _validate(tmp_path, dict(model_type="gptj", vocab_size=128, n_embd=32, n_layer=1, n_head=2, rotary_dim=8))
+    assert "model_type 'gptj' is not supported; supported: llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, " \
            "gemma3_text" in msg, msg
 
 

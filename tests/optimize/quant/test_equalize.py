@@ -184,7 +184,7 @@ def test_unsupported_layouts_are_refused_with_the_reason():
 
     gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=512))
     with pytest.raises(FoldRefused, match=r"architecture 'gpt2' has no equalization fold layout .*supported: gemma, "
-                                          r"gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+                                          r"gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3"):
         fold_groups(gpt2)
     model = family("qwen3")
     model.model.layers[1].self_attn.v_norm = torch.nn.Identity()  # a value norm (as in Gemma3n)

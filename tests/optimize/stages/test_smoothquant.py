@@ -140,7 +140,7 @@ def test_pipeline_stops_when_the_fold_is_not_exact(tiny_cfg, monkeypatch):
     [
         ({"kind": "smoothquant"}, dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=49152),
          r"architecture 'gpt2' has no equalization fold layout \(which norm feeds which projections\); supported: "
-         r"gemma, gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"),
+         r"gemma, gemma2, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3"),
         ({"kind": "awq"}, dict(model_type="opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                ffn_dim=128, vocab_size=49152, word_embed_proj_dim=64),
          "architecture 'opt' has no equalization fold layout"),
