@@ -37,6 +37,7 @@ from train.config import LoopConfig
 from train.curriculum import LengthSchedule, StagedBatches
 from train.data import PackedWindows
 from train.distributed import DistContext, all_reduce_max, apply_fsdp, init_distributed, teardown
+from train.errors import TrainInputError
 from train.export_hf import export_pretrained
 from train.flops import device_peak, model_flops
 from train.lora import apply_lora
@@ -87,7 +88,7 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
         config.use_cache = False  # a KV cache mutated inside a checkpointed block breaks recompute
     if cfg.precision.master_weights_fp32:
         model = model.float()
-    if ctx.parallel is not None:  # LoRA and compile are refused with it (LoopConfig)
+    if ctx.parallel is not None:  # LoRA is refused with it (train/parallel/config.py)
         return _prepare_parallel(model, cfg, ctx)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, shard_world=ctx.world if cfg.distributed.fsdp else 1)
@@ -109,7 +110,7 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
 
 def _prepare_parallel(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
     """torchtitan's order on one mesh: keep this rank's pipeline stage, split experts over ep and
-    blocks over tp, checkpoint activations, then FSDP2 over the data-parallel ranks."""
+    blocks over tp, checkpoint activations, compile each block, then FSDP2 over the data-parallel ranks."""
     from train.parallel.experts import apply_expert_parallel
     from train.parallel.layout import check_modules
     from train.parallel.pipeline import keep_stage
@@ -127,6 +128,9 @@ def _prepare_parallel(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn
     wrapped = apply_activation_checkpointing(model, cfg.memory)
     if wrapped:
         log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)
+    compiled = compile_blocks(model, cfg.compile)
+    if compiled:
+        log.info("torch.compile (%s) on %d blocks; the first step compiles", cfg.compile.mode, compiled)
     if layout.dp_shard > 1:
         model = apply_fsdp(model, cfg.distributed, ctx, experts)
     if ctx.is_main:
@@ -188,7 +192,14 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
     full_len = _full_length(data, seq_len)
     schedule = LengthSchedule(cfg.curriculum, full_len)
     attn = configure_attention(model, cfg.attention, ctx.device, _compute_dtype(model, cfg), full_len)
-    check_head = loss_fn is None and cfg.loss.chunked
+    loss_fn_is_default = loss_fn is None
+    pp = ctx.parallel is not None and ctx.parallel.layout.pp > 1
+    if pp and loss_fn is not None:
+        raise TrainInputError(
+            "train.parallel.pp: a caller's loss_fn(model, batch) needs the whole model in one forward; under a "
+            "pipeline the last stage computes the next-token loss itself"
+        )
+    check_head = loss_fn is None and cfg.loss.chunked and not pp  # a stage is not a whole model
     loss_name = "caller's loss"
     if loss_fn is None:
         loss_fn, loss_name = default_loss(cfg)
@@ -205,7 +216,10 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
     if ctx.parallel is not None and ctx.parallel.layout.pp > 1:
         from train.parallel.pipeline import build_schedule
 
-        pipeline = build_schedule(model, ctx.parallel, ctx.device, cfg.parallel.pp_schedule, cfg.batch.grad_accum_steps)
+        pipeline = build_schedule(
+            model, ctx.parallel, ctx.device, cfg.parallel.pp_schedule, cfg.batch.grad_accum_steps,
+            loss_chunk=cfg.loss.chunk_size if loss_fn_is_default and cfg.loss.chunked else None,
+        )
     compiled_blocks = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     reset_peak_memory(ctx.device)  # measure training, not the one-off load/quantize transient
     fsdp = cfg.distributed.fsdp and (ctx.parallel is None or ctx.parallel.layout.dp_shard > 1)

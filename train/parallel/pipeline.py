@@ -10,12 +10,15 @@ stage takes token ids (first) or hidden states and returns hidden states or logi
 
 The schedules (GPipe, 1F1B) run ``batch.grad_accum_steps`` micro-batches per optimizer step and
 scale the gradients by their count, which is the single-process loop's token-weighted mean for
-equal micro-batches.
+equal micro-batches. With ``loss.chunked`` the last stage computes the chunked cross-entropy inside
+its forward (as :func:`train.lm_head.head_loss` does for a whole model), so the last stage never
+holds ``[tokens, vocab]`` logits.
 """
 
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +50,9 @@ def _mask_kind(block: nn.Module, config) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
-def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A stage of an HF decoder: ids or hidden states in, hidden states or logits out."""
+def _stage_forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """A stage of an HF decoder: ids or hidden states in, hidden states or logits out; the last
+    stage given ``labels`` returns the chunked cross-entropy instead of logits (see :func:`pipeline_step`)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     base = self.model
@@ -63,7 +67,14 @@ def _stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = block(h, attention_mask=masks[kind], position_embeddings=position_embeddings, position_ids=position_ids)
     if base.norm is None:
         return h
-    return self.lm_head(base.norm(h))
+    h = base.norm(h)
+    if labels is None:
+        return self.lm_head(h)
+    from train.chunked_loss import chunked_cross_entropy
+    from train.lm_head import lm_head_of
+
+    # inside the forward, where FSDP2 has the head's weight gathered: full logits never exist
+    return chunked_cross_entropy(h, lm_head_of(self), labels, chunk_size=self.stage_loss_chunk)
 
 
 def keep_stage(model: nn.Module, pmesh: ParallelMesh) -> nn.Module:
@@ -88,24 +99,45 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def computed_loss(loss: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss when the stage computed it itself (the chunked loss)."""
+    return loss
+
+
 def build_schedule(stage_module: nn.Module, pmesh: ParallelMesh, device: torch.device, schedule: str,
-                   micro_batches: int):
-    """The pipelining schedule that runs this rank's stage."""
+                   micro_batches: int, loss_chunk: int | None = None):
+    """The pipelining schedule that runs this rank's stage. With ``loss_chunk`` the last stage
+    computes the chunked cross-entropy inside its forward (it gets the labels as a keyword, split
+    into micro-batches by the schedule like the inputs), else it returns logits to ``lm_loss``."""
     from torch.distributed import pipelining
 
     rank, stages = stage_module.pipeline_stage
+    stage_module.stage_loss_chunk = loss_chunk
     stage = pipelining.PipelineStage(stage_module, rank, stages, device, group=pmesh.dim("pp").get_group())
     cls = getattr(pipelining, SCHEDULES[schedule])
-    return cls(stage, n_microbatches=micro_batches, loss_fn=lm_loss)
+    return Pipeline(cls(stage, n_microbatches=micro_batches, loss_fn=computed_loss if loss_chunk else lm_loss),
+                    chunked=bool(loss_chunk))
 
 
-def pipeline_step(schedule, pmesh: ParallelMesh, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+@dataclass
+class Pipeline:
+    """This rank's schedule, and whether its last stage computes the chunked loss itself."""
+
+    schedule: object
+    chunked: bool = False
+
+
+def pipeline_step(pipeline: Pipeline, pmesh: ParallelMesh, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Forward and backward of one optimizer step's windows; the mean loss on the last stage, 0 elsewhere."""
     rank, stages = pmesh.pp_rank, pmesh.layout.pp
     losses: list[torch.Tensor] = []
     args = (batch["input_ids"],) if rank == 0 else ()
-    kwargs = {"target": batch["labels"], "losses": losses} if rank == stages - 1 else {}
-    schedule.step(*args, **kwargs)
+    kwargs = {}
+    if rank == stages - 1:
+        kwargs = {"target": batch["labels"], "losses": losses}
+        if pipeline.chunked:  # split into micro-batches like the inputs, and handed to the last stage's forward
+            kwargs["labels"] = batch["labels"]
+    pipeline.schedule.step(*args, return_outputs=False, **kwargs)  # the losses are all we read
     if not losses:
         return torch.zeros((), dtype=torch.float32, device=batch["input_ids"].device)
     return torch.stack([loss.detach().float() for loss in losses]).mean()

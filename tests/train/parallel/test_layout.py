@@ -93,12 +93,12 @@ def test_expert_parallelism_needs_a_mixture_of_experts_it_divides():
 
 @pytest.mark.parametrize("fields, words", [
     (dict(parallel=dict(tp=2), lora=dict(enabled=True)), "lora.enabled cannot run with parallel tp 2"),
-    (dict(parallel=dict(pp=2)), "loss.chunked cannot run with parallel pp 2"),
+    (dict(parallel=dict(pp=2), attention=dict(sliding_window=8)), "attention.sliding_window cannot run"),
     (dict(parallel=dict(pp=4), loss=dict(chunked=False)), "1f1b needs at least as many micro-batches"),
     (dict(parallel=dict(tp=2, ep=2)), "ep with tp is not supported"),
     (dict(parallel=dict(dp_shard=2)), "set distributed.fsdp: true"),
     (dict(parallel=dict(dp_shard=4, ep=3), distributed=dict(fsdp=True)), "must divide it"),
-    (dict(parallel=dict(tp=2), compile=True), "compile.enabled cannot run"),
+    (dict(parallel=dict(ep=2), distributed=dict(fsdp=True), compile=True), "compile.enabled cannot run"),
     (dict(parallel=dict(ep=2), distributed=dict(fsdp=True, cpu_offload=True)), "cpu_offload cannot run"),
     (dict(parallel=dict(tp=0)), "greater than or equal to 1"),
     (dict(parallel=dict(pp_schedule="zb")), "'gpipe' or '1f1b'"),

@@ -46,6 +46,7 @@ def test_dp_by_tp_equals_one_process_and_resumes_as_dp4(th, tmp_path):
     single = _losses(th.run_train(_recipe(th, tmp_path, "single", batch=dict(micro_batch_size=2, grad_accum_steps=4))))
     tp = _recipe(th, tmp_path, "tp", distributed=dict(fsdp=True), parallel=dict(tp=2),
                  memory=dict(activation_checkpointing="selective"),  # recomputes exactly: the losses stay equal
+                 compile=True,  # per-block torch.compile over DTensor blocks, torchtitan's composition
                  checkpoint=dict(every_n_steps=5, save_final=False, export_hf=True))
     proc = th.run_train(tp, nproc=4)
     report = json.loads(proc.stdout)
@@ -65,13 +66,13 @@ def test_dp_by_tp_equals_one_process_and_resumes_as_dp4(th, tmp_path):
 
 @pytest.mark.minutes(1)
 def test_pp_by_dp_equals_one_process_under_1f1b_and_gpipe(th, tmp_path):
-    plain = dict(loss=dict(chunked=False))  # a pipeline computes its loss outside the last stage
+    """1F1B with the chunked loss computed inside the last stage; GPipe with full logits."""
     single = _losses(th.run_train(_recipe(th, tmp_path, "single", tied=False,
-                                          batch=dict(micro_batch_size=2, grad_accum_steps=4), **plain)))
+                                          batch=dict(micro_batch_size=2, grad_accum_steps=4))))
     pp = _recipe(th, tmp_path, "pp", tied=False, distributed=dict(fsdp=True), parallel=dict(pp=2),
-                 checkpoint=dict(every_n_steps=0, save_final=False, export_hf=True), **plain)
+                 checkpoint=dict(every_n_steps=0, save_final=False, export_hf=True))
     report = json.loads(th.run_train(pp, nproc=4).stdout)
-    assert report["parallel"] == {"dp_shard": 2, "tp": 1, "pp": 2, "ep": 1}
+    assert report["parallel"] == {"dp_shard": 2, "tp": 1, "pp": 2, "ep": 1} and "chunked" in report["loss"]
     _assert_equal(report["losses"], single, range(1, STEPS + 1))
     exported = json.loads((tmp_path / "pp" / "hf" / "config.json").read_text())
     assert exported["num_hidden_layers"] == 2  # rank 0 wrote the whole model, both stages gathered
@@ -83,7 +84,7 @@ def test_pp_by_dp_equals_one_process_under_1f1b_and_gpipe(th, tmp_path):
     assert any(k.startswith("model.layers.1.") for k in keys) and any(k.startswith("model.layers.0.") for k in keys)
 
     gpipe = _recipe(th, tmp_path, "gpipe", tied=False, parallel=dict(pp=2, pp_schedule="gpipe"),
-                    batch=dict(micro_batch_size=2, grad_accum_steps=4), **plain)
+                    batch=dict(micro_batch_size=2, grad_accum_steps=4), loss=dict(chunked=False))
     _assert_equal(_losses(th.run_train(gpipe, nproc=2)), single, range(1, STEPS + 1))
 
 
