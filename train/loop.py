@@ -88,10 +88,10 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
         config.use_cache = False  # a KV cache mutated inside a checkpointed block breaks recompute
     if cfg.precision.master_weights_fp32:
         model = model.float()
-    if ctx.parallel is not None:  # LoRA is refused with it (train/parallel/config.py)
+    if cfg.lora.enabled:  # with a parallel layout only under ep (train/parallel/config.py)
+        model = apply_lora(model, cfg.lora, shard_world=ctx.dp_world if cfg.distributed.fsdp else 1)
+    if ctx.parallel is not None:
         return _prepare_parallel(model, cfg, ctx)
-    if cfg.lora.enabled:
-        model = apply_lora(model, cfg.lora, shard_world=ctx.world if cfg.distributed.fsdp else 1)
     wrapped = apply_activation_checkpointing(model, cfg.memory)
     if wrapped:
         log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)

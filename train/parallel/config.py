@@ -68,8 +68,9 @@ def parallel_conflicts(cfg) -> None:
             f"use ep with dp_shard and pp (got {dims})"
         )
     refusals = [
-        (cfg.lora.enabled, "lora.enabled", "peft's adapters wrap the nn.Linear projections that the tensor, "
-         "pipeline and expert splits take apart; train LoRA with dp_shard (FSDP2) only"),
+        (cfg.lora.enabled and (par.tp > 1 or par.pp > 1), "lora.enabled",
+         "peft's adapters wrap the nn.Linear projections that the tensor split takes apart, and wrap the model "
+         "whose forward the pipeline stages replace; train LoRA with dp_shard and ep"),
         (par.ep > 1 and cfg.compile.enabled, "compile.enabled", "dynamo fails on the experts' routed dispatch "
          "(torch 2.13: IndexError while creating a guard); train ep with compile off"),
         (cfg.precision.mode == "fp16", "precision.mode fp16", "GradScaler's inf check does not reduce over the "

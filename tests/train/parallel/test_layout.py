@@ -93,6 +93,7 @@ def test_expert_parallelism_needs_a_mixture_of_experts_it_divides():
 
 @pytest.mark.parametrize("fields, words", [
     (dict(parallel=dict(tp=2), lora=dict(enabled=True)), "lora.enabled cannot run with parallel tp 2"),
+    (dict(parallel=dict(pp=2), lora=dict(enabled=True)), "lora.enabled cannot run with parallel pp 2"),
     (dict(parallel=dict(pp=2), attention=dict(sliding_window=8)), "attention.sliding_window cannot run"),
     (dict(parallel=dict(pp=4), loss=dict(chunked=False)), "1f1b needs at least as many micro-batches"),
     (dict(parallel=dict(tp=2, ep=2)), "ep with tp is not supported"),

@@ -90,6 +90,8 @@ def test_pp_by_dp_equals_one_process_under_1f1b_and_gpipe(th, tmp_path):
 
 @pytest.mark.minutes(1)
 def test_experts_split_over_ep_equal_one_process(th, tmp_path):
+    """ep 2 x dp_shard 4 (experts further sharded by FSDP2 over dp_mod_ep 2), full training; and ep 2
+    on 2 ranks (dp_mod_ep 1: the experts stay whole on their rank) with LoRA on the attention."""
     single = _losses(th.run_train(_recipe(th, tmp_path, "single", "mixtral", tied=False,
                                           batch=dict(micro_batch_size=2, grad_accum_steps=8))))
     ep = _recipe(th, tmp_path, "ep", "mixtral", tied=False, distributed=dict(fsdp=True), parallel=dict(ep=2),
@@ -97,3 +99,12 @@ def test_experts_split_over_ep_equal_one_process(th, tmp_path):
     report = json.loads(th.run_train(ep, nproc=4).stdout)
     assert report["parallel"] == {"dp_shard": 4, "tp": 1, "pp": 1, "ep": 2}
     _assert_equal(report["losses"], single, range(1, STEPS + 1))
+
+    lora = dict(lora=dict(enabled=True), optimizer=dict(lr=1e-2))
+    single_lora = _losses(th.run_train(_recipe(th, tmp_path, "single_lora", "mixtral", tied=False,
+                                               batch=dict(micro_batch_size=2, grad_accum_steps=4), **lora)))
+    ep_lora = _recipe(th, tmp_path, "ep_lora", "mixtral", tied=False, distributed=dict(fsdp=True),
+                      parallel=dict(ep=2), **lora)
+    report = json.loads(th.run_train(ep_lora, nproc=2).stdout)
+    assert report["trainable_params"] < report["total_params"] / 100
+    _assert_equal(report["losses"], single_lora, range(1, STEPS + 1))
