@@ -106,9 +106,10 @@ def fused_expert_params(model: nn.Module) -> list[str]:
             for p, t in m.named_parameters(recurse=False) if t.dim() == 3]
 
 
-def _check_layout(name: str, m: nn.Module) -> None:
+def check_layout(name: str, m: nn.Module) -> None:
     """Only the layout whose unfused form is known exact: concatenated [gate; up] rows, no bias, a
-    gated activation, weights stored [out, in] (Mixtral's)."""
+    gated activation, weights stored [out, in] (Mixtral's). Expert parallelism
+    (``train/parallel/experts.py``) computes the experts from the same layout and checks it here too."""
     why = None
     gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
@@ -129,7 +130,7 @@ def _check_layout(name: str, m: nn.Module) -> None:
 
 def split_experts(name: str, m: nn.Module, dense: bool = False) -> UnfusedExperts:
     """The per-expert form of one fused module (its weights copied; ``m`` is left as it was)."""
-    _check_layout(name, m)
+    check_layout(name, m)
     inter = m.down_proj.shape[2]
     return UnfusedExperts([ExpertMLP(m.gate_up_proj[e, :inter], m.gate_up_proj[e, inter:], m.down_proj[e], m.act_fn)
                            for e in range(m.gate_up_proj.shape[0])], dense=dense)
@@ -141,7 +142,7 @@ def unfuse_experts(model: nn.Module, dense: bool = False) -> list[str]:
     model too (the stages' pre-flight). Raises :class:`ExpertsRefused` for a layout it cannot split."""
     fused = [(n, m) for n, m in model.named_modules() if is_fused_experts(m)]
     for name, m in fused:
-        _check_layout(name, m)
+        check_layout(name, m)
     for name, m in fused:
         model.set_submodule(name, split_experts(name, m, dense), strict=True)
     return [n for n, _ in fused]
@@ -184,7 +185,7 @@ def export_form(model: nn.Module) -> Iterator[list[str]]:
     Yields the names of the experts modules (for an exporter's details)."""
     fused = [(n, m) for n, m in model.named_modules() if is_fused_experts(m)]
     for name, m in fused:
-        _check_layout(name, m)
+        check_layout(name, m)
     unfused = [(n, m, m.dense) for n, m in model.named_modules() if isinstance(m, UnfusedExperts)]
     try:
         for name, m in fused:

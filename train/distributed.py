@@ -58,7 +58,7 @@ class DistContext:
         if self.parallel is None:
             return 1.0 / self.world
         p = self.parallel
-        holds = p.is_last_stage and p.root["tp"].get_local_rank() == 0
+        holds = p.is_last_stage and p.tp_rank == 0
         return 1.0 / p.layout.dp_shard if holds else 0.0
 
 

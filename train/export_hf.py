@@ -17,14 +17,14 @@ from train.config import LoRAConfig
 from train.lora import merged_state_dict, plain_model
 
 
-def _gather_stages(model: nn.Module, pmesh) -> dict[str, torch.Tensor]:
+def _gather_stages(model: nn.Module, stages) -> dict[str, torch.Tensor]:
     """Every pipeline stage's full parameters, on global rank 0 (empty elsewhere): each stage
     gathers its own over dp/tp, then one rank per stage sends them to rank 0."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     own = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    sends = pmesh.dp_rank == 0 and pmesh.root["tp"].get_local_rank() == 0
+    sends = stages.dp_rank == 0 and stages.tp_rank == 0
     own = {k: v.detach().cpu() for k, v in own.items()} if sends else {}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(own, parts, dst=0)
@@ -34,9 +34,10 @@ def _gather_stages(model: nn.Module, pmesh) -> dict[str, torch.Tensor]:
     return merged
 
 
-def full_state_dict(model: nn.Module, sharded: bool, pmesh=None) -> dict[str, torch.Tensor]:
-    if pmesh is not None and pmesh.layout.pp > 1:
-        return _gather_stages(model, pmesh)
+def full_state_dict(model: nn.Module, sharded: bool, stages=None) -> dict[str, torch.Tensor]:
+    """The whole model's state on rank 0; ``stages``: the ParallelMesh of a pipeline-parallel run."""
+    if stages is not None:
+        return _gather_stages(model, stages)
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -45,19 +46,19 @@ def full_state_dict(model: nn.Module, sharded: bool, pmesh=None) -> dict[str, to
 
 
 def export_pretrained(
-    model: nn.Module, tokenizer, out_dir: Path, lora: LoRAConfig, *, sharded: bool, is_main: bool, pmesh=None
+    model: nn.Module, tokenizer, out_dir: Path, lora: LoRAConfig, *, sharded: bool, is_main: bool, stages=None
 ) -> Path | None:
     """Write ``out_dir`` atomically on rank 0; returns it there (None on other ranks).
 
-    ``pmesh`` (a parallel layout) with pipeline stages: rank 0 holds one stage's modules only, so
-    the directory is written from a weightless copy of the whole model and the gathered state."""
-    state = full_state_dict(model, sharded, pmesh)
+    ``stages`` (the ParallelMesh of a pipeline-parallel run): rank 0 holds one stage's modules only,
+    so the directory is written from a weightless copy of the whole model and the gathered state."""
+    state = full_state_dict(model, sharded, stages)
     if not is_main:
         return None
     if lora.enabled:
         state = merged_state_dict(state, lora.alpha, lora.rank)
     hf = plain_model(model)
-    if pmesh is not None and pmesh.layout.pp > 1:
+    if stages is not None:
         from train.model_parts import meta_model
 
         hf = meta_model(hf.config)

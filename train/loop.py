@@ -92,12 +92,7 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
         model = apply_lora(model, cfg.lora, shard_world=ctx.dp_world if cfg.distributed.fsdp else 1)
     if ctx.parallel is not None:
         return _prepare_parallel(model, cfg, ctx)
-    wrapped = apply_activation_checkpointing(model, cfg.memory)
-    if wrapped:
-        log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)
-    compiled = compile_blocks(model, cfg.compile)
-    if compiled:
-        log.info("torch.compile (%s) on %d blocks; the first step compiles", cfg.compile.mode, compiled)
+    _checkpoint_and_compile(model, cfg)
     if cfg.distributed.fsdp:
         if not cfg.distributed.cpu_offload:
             model = model.to(ctx.device)
@@ -108,29 +103,32 @@ def prepare_model(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Mod
     return model
 
 
-def _prepare_parallel(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
-    """torchtitan's order on one mesh: keep this rank's pipeline stage, split experts over ep and
-    blocks over tp, checkpoint activations, compile each block, then FSDP2 over the data-parallel ranks."""
-    from train.parallel.experts import apply_expert_parallel
-    from train.parallel.layout import check_modules
-    from train.parallel.pipeline import keep_stage
-    from train.parallel.tensor import apply_tensor_parallel
-
-    pmesh = ctx.parallel
-    layout = pmesh.layout
-    check_modules(layout, model)
-    if layout.pp > 1:
-        model = keep_stage(model, pmesh)
-    model = model.to(ctx.device)
-    experts = apply_expert_parallel(model, pmesh.dim("ep")) if layout.ep > 1 else []
-    if layout.tp > 1:
-        apply_tensor_parallel(model, pmesh.dim("tp"), cfg.parallel.sequence_parallel)
+def _checkpoint_and_compile(model: nn.Module, cfg: LoopConfig) -> None:
+    """Activation checkpointing, then per-block compile (the wrappers compile with their block)."""
     wrapped = apply_activation_checkpointing(model, cfg.memory)
     if wrapped:
         log.info("activation checkpointing (%s) on %d blocks", cfg.memory.activation_checkpointing, wrapped)
     compiled = compile_blocks(model, cfg.compile)
     if compiled:
         log.info("torch.compile (%s) on %d blocks; the first step compiles", cfg.compile.mode, compiled)
+
+
+def _prepare_parallel(model: nn.Module, cfg: LoopConfig, ctx: DistContext) -> nn.Module:
+    """torchtitan's order on one mesh: keep this rank's pipeline stage, split experts over ep and
+    blocks over tp, checkpoint activations, compile each block, then FSDP2 over the data-parallel ranks."""
+    from train.parallel.experts import apply_expert_parallel
+    from train.parallel.pipeline import keep_stage
+    from train.parallel.tensor import apply_tensor_parallel
+
+    pmesh = ctx.parallel
+    layout = pmesh.layout
+    if layout.pp > 1:
+        model = keep_stage(model, pmesh)
+    model = model.to(ctx.device)
+    experts = apply_expert_parallel(model, pmesh.dim("ep")) if layout.ep > 1 else []
+    if layout.tp > 1:
+        apply_tensor_parallel(model, pmesh.dim("tp"), cfg.parallel.sequence_parallel)
+    _checkpoint_and_compile(model, cfg)
     if layout.dp_shard > 1:
         model = apply_fsdp(model, cfg.distributed, ctx, experts)
     if ctx.is_main:
@@ -192,7 +190,6 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
     full_len = _full_length(data, seq_len)
     schedule = LengthSchedule(cfg.curriculum, full_len)
     attn = configure_attention(model, cfg.attention, ctx.device, _compute_dtype(model, cfg), full_len)
-    loss_fn_is_default = loss_fn is None
     pp = ctx.parallel is not None and ctx.parallel.layout.pp > 1
     if pp and loss_fn is not None:
         raise TrainInputError(
@@ -208,17 +205,18 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
         if len(schedule) > 1:
             log.info("length curriculum: %s", schedule.describe())
     if ctx.parallel is not None:
-        from train.parallel.layout import check_model
+        from train.parallel.layout import check_model, check_modules
 
         check_model(ctx.parallel.layout, model.config, schedule.lengths(), cfg.parallel)
+        check_modules(ctx.parallel.layout, model)
     model = prepare_model(model, cfg, ctx)
     pipeline = None
-    if ctx.parallel is not None and ctx.parallel.layout.pp > 1:
+    if pp:
         from train.parallel.pipeline import build_schedule
 
         pipeline = build_schedule(
             model, ctx.parallel, ctx.device, cfg.parallel.pp_schedule, cfg.batch.grad_accum_steps,
-            loss_chunk=cfg.loss.chunk_size if loss_fn_is_default and cfg.loss.chunked else None,
+            loss_chunk=cfg.loss.chunk_size if cfg.loss.chunked else None,  # the default loss: a caller's is refused
         )
     compiled_blocks = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     reset_peak_memory(ctx.device)  # measure training, not the one-off load/quantize transient
@@ -332,7 +330,8 @@ def _train(model, data, cfg: LoopConfig, loss_fn: LossFn | None, seq_len, tokeni
     exported = None
     if cfg.checkpoint.export_hf:
         exported = export_pretrained(
-            model, tokenizer, out_dir / "hf", cfg.lora, sharded=sharded, is_main=ctx.is_main, pmesh=ctx.parallel
+            model, tokenizer, out_dir / "hf", cfg.lora, sharded=sharded, is_main=ctx.is_main,
+            stages=ctx.parallel if pp else None,
         )
     peak_mem = all_reduce_max(peak_memory_mib(ctx.device), ctx)
     return TrainResult(

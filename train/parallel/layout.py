@@ -154,9 +154,15 @@ def check_model(layout: Layout, config, seq_lens: list[int], par: ParallelConfig
 def check_modules(layout: Layout, model: nn.Module) -> None:
     """What only the built model shows: the expert modules expert parallelism shards."""
     if layout.ep > 1:
-        from train.parallel.experts import expert_modules
+        from targets.moe import ExpertsRefused, check_layout, is_fused_experts
 
-        if not expert_modules(model):
+        fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+        for name, m in fused:  # the expert split computes the experts from Mixtral's layout only
+            try:
+                check_layout(name, m)
+            except ExpertsRefused as exc:
+                raise TrainInputError(f"train.parallel.ep {layout.ep}: {exc}") from None
+        if not fused:
             raise TrainInputError(
                 f"train.parallel.ep {layout.ep}: {type(model).__name__} has no experts module with stacked "
                 "gate_up_proj/down_proj weights (transformers' fused MoE layout), which the expert split shards"

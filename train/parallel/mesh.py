@@ -33,6 +33,10 @@ class ParallelMesh:
         return self.dp.get_local_rank()
 
     @property
+    def tp_rank(self) -> int:
+        return self.root["tp"].get_local_rank()
+
+    @property
     def pp_rank(self) -> int:
         return self.root["pp"].get_local_rank()
 

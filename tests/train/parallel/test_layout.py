@@ -131,3 +131,18 @@ def test_check_prints_the_resolved_layout_and_refuses_in_one_line(th, tmp_path):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == [
         "error: train.parallel.tp 8 must divide the model's num_attention_heads 4: each rank takes 1/8 of them"]
+
+
+def test_expert_split_takes_only_the_layout_it_computes():
+    """The expert split computes Mixtral's experts layout ([gate; up] rows, no bias); another layout
+    is refused with targets.moe's reason instead of being computed wrong."""
+    from train.model_parts import meta_model
+    from train.parallel.layout import check_modules
+
+    moe = meta_model(_config("mixtral"))
+    check_modules(Layout(dp_shard=2, ep=2), moe)
+    moe.model.layers[1].mlp.experts.is_concatenated = False  # gate and up rows interleaved
+    with pytest.raises(TrainInputError, match="train.parallel.ep 2: model.layers.1.mlp.experts .* interleave"):
+        check_modules(Layout(dp_shard=2, ep=2), moe)
+    with pytest.raises(TrainInputError, match="has no experts module"):
+        check_modules(Layout(dp_shard=2, ep=2), meta_model(_config("llama")))
