@@ -75,8 +75,12 @@ class Runner(abc.ABC):
         bounded calls returns what one call would."""
         if not chunk or ids.numel() <= chunk:
             return call(ids, all_logits)
-        parts = [call(ids[i:i + chunk], all_logits) for i in range(0, int(ids.numel()), chunk)]
-        return torch.cat(parts, 0) if all_logits else parts[-1]
+        if not all_logits:  # keep only the last piece's row: a full-context prefill holds one chunk's logits
+            last = None
+            for i in range(0, int(ids.numel()), chunk):
+                last = call(ids[i:i + chunk], False)
+            return last
+        return torch.cat([call(ids[i:i + chunk], True) for i in range(0, int(ids.numel()), chunk)], 0)
 
     def checked_rows(self, rests: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
         """``rests`` as one right-padded ``[k, longest]`` LongTensor (pads 0) and each row's length, for

@@ -202,7 +202,10 @@ class ExecuTorchRunner(Runner):
                     raise RunnerError(f"{self.path.name}: forward of {n} tokens at position {self._pos} failed: {exc}") from None
                 self._pos += n
                 logits = logits.reshape(-1, logits.shape[-1])
-                outs.append(logits if all_logits else logits[-1:])
+                # the last row copied: a view would keep each call's positions x vocab logits alive
+                outs.append(logits if all_logits else logits[-1:].clone())
+                if not all_logits:
+                    del outs[:-1]
         # one chunk (a whole window's prefill) is returned as it is: no copy of positions x vocab logits
         out = (torch.cat(outs, 0) if len(outs) > 1 else outs[0]) if all_logits else outs[-1]
         return out.float()

@@ -104,7 +104,9 @@ class GenaiRunner(Runner):
             raise RunnerError(f"onnxruntime-genai failed running {self.path}: {type(exc).__name__}: {exc}") from None
         self._pos += t
         logits = np.asarray(logits, dtype=np.float32).reshape(-1, logits.shape[-1])[-t:]
-        return torch.from_numpy(np.ascontiguousarray(logits if all_logits else logits[-1:]))
+        if not all_logits:  # a copy of the last row: a view would keep the call's positions x vocab logits alive
+            return torch.from_numpy(np.array(logits[-1:]))
+        return torch.from_numpy(np.ascontiguousarray(logits))
 
     def truncate(self, n: int) -> bool:
         """onnxruntime-genai's ``Generator.rewind_to(n)``: the KV buffers keep their first ``n`` positions."""

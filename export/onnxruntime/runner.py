@@ -141,7 +141,9 @@ class OnnxRuntimeRunner(Runner):
         self._past = {n: named["present." + n[len("past_key_values."):]] for n in self._past_names}
         self._pos += t
         logits = named["logits"][0]
-        return torch.from_numpy(np.ascontiguousarray(logits if all_logits else logits[-1:], dtype=np.float32))
+        if not all_logits:  # a copy of the last row: a view would keep the call's positions x vocab logits alive
+            return torch.from_numpy(np.array(logits[-1:], dtype=np.float32))
+        return torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
 
     def forward_each(self, rests: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The choices of one context as one batch on the graph's batch axis: the past repeated per

@@ -155,6 +155,9 @@ def test_prefill_of_max_seq_len_tokens_in_chunks_and_a_full_cache_is_a_clear_err
     runner.max_chunk = 5
     assert (runner.forward(ids) - whole).abs().max() < 1e-4
     runner.reset()
+    last = runner.forward(ids[:20], all_logits=False)  # in chunks of 5, keeping only a copy of the last row
+    assert (last - whole[19:20]).abs().max() < 1e-4 and last.untyped_storage().nbytes() == last.numel() * 4
+    runner.reset()
     runner.all_positions = False  # a program that returns only the last position: fed one token at a time
     assert (runner.forward(ids[:7]) - whole[:7]).abs().max() < 1e-4
     assert (runner.forward(ids[7:20], all_logits=False) - whole[19:20]).abs().max() < 1e-4
