@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast demo bench arm64 clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ test-fast: setup
 
 demo: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/optimize pipeline examples/smollm2.yaml --target executorch
+
+# the ARM64 root, wheels and QEMU that `optimize verify` and checks.arm64 run artifacts in
+# (Debian packages via apt as root, PyPI wheels; cached in ~/.cache/edge-optimize-arm64, docs/devices.md)
+arm64: setup
+	$(VENV)/bin/optimize setup arm64
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -223,6 +223,34 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_setup(args) -> int:
+    from targets.arm64.environment import setup
+
+    info = setup(force=args.force, say=_say)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        size = sum(info["bytes"].values()) / 2**30
+        print(f"ARM64 environment {'built' if info['built'] else 'ready'}: {info['path']} ({size:.2f} GiB; "
+              + ", ".join(f"{d} {v}" for d, v in info["versions"].items() if d in ("torch", "executorch", "onnxruntime",
+                                                                                 "onnxruntime-genai")) + ")")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from export.arm64.verify import summary, verify_artifact
+
+    report = verify_artifact(args.artifact, cpu=args.cpu, device=args.device_profile, prompts=args.prompts,
+                             new_tokens=args.new_tokens, windows=args.windows, window_tokens=args.window_tokens,
+                             ppl_tolerance_pct=args.ppl_tolerance)
+    if args.output:
+        from targets.atomic import atomic_write_json
+
+        atomic_write_json(Path(args.output), report)
+    print(json.dumps(report, indent=1) if args.json else summary(report))
+    return 0 if report["verified"] else 1
+
+
 def cmd_sensitivity(args) -> int:
     from optimize.sensitivity import run_sensitivity
 
@@ -339,6 +367,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".pte: ExecuTorch's C++ text runner when the program allows it (auto, the default), "
                    "always (llm: an error if it cannot), or the Python loop (python)")
     s.set_defaults(fn=cmd_run)
+
+    s = command("setup", help="install what a check needs beyond pip: `optimize setup arm64` builds the ARM64 "
+                "root, wheels and QEMU that `optimize verify` runs artifacts in (cached; apt as root)")
+    s.add_argument("what", choices=["arm64"])
+    s.add_argument("--force", action="store_true", help="rebuild even if the environment for these versions exists")
+    s.add_argument("--json", action="store_true", help="print what was built as JSON")
+    s.set_defaults(fn=cmd_setup)
+
+    s = command("verify", help="run an artifact in the ARM64 build of its runtime on an emulated core and compare "
+                "greedy tokens and perplexity with the x86-64 build")
+    s.add_argument("artifact", help=".pte, .onnx or an onnxruntime-genai folder (its tokenizer beside it)")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--cpu", help="emulated core: cortex-a72, cortex-a76 (default), max (Armv9, SME off)")
+    where.add_argument("--device-profile", help="device profile whose core to emulate (see `optimize ls devices`)")
+    s.add_argument("--prompts", type=int, default=2, help="greedy prompts (32 tokens each, from the reference text)")
+    s.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
+    s.add_argument("--windows", type=int, default=8,
+                   help="perplexity windows; fewer make the 1%% tolerance noise (docs/devices.md)")
+    s.add_argument("--window-tokens", type=int, default=128, help="tokens per perplexity window")
+    s.add_argument("--ppl-tolerance", type=float, default=1.0, help="largest perplexity difference from x86-64, %%")
+    s.add_argument("--output", help="also write the report JSON here")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(fn=cmd_verify)
 
     s = command("sensitivity", help="rank module groups by how much quantizing each alone costs")
     s.add_argument("config", help="pipeline YAML (its model, text and quantization stage are used)")

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Sequence, Union
 import yaml
 from pydantic import Field, ValidationError, create_model
 
+from optimize.checks.arm64_config import Arm64Check
 from optimize.device import DeviceError, DeviceName, DtypeName, cuda_missing
 from optimize.config_checks import model_problems, semantic_problems
 from optimize.errors import ConfigError, problems_from
@@ -60,6 +61,9 @@ class ChecksConfig(Strict):
                                description="lm-eval tasks scored in each selected row's runtime (docs/tasks.md)")
     memory: bool = Field(True, description="measure each export row's peak resident memory in a child process "
                          "(load + prefill of max_seq_len + decode; optimize/footprint/memory.py, docs/devices.md)")
+    arm64: Arm64Check | None = Field(
+        None, description="also run each export row's artifact in the ARM64 build of its runtime under QEMU "
+        "(`optimize setup arm64` first) and compare greedy tokens and perplexity with x86-64 (docs/devices.md)")
     baseline_cache: bool = Field(
         False, description="reuse the baseline's perplexity and log-probabilities from an earlier run of the very "
         "same model (every weight's bytes) on the same text, toolchain and threads, kept under "

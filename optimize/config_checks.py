@@ -63,7 +63,23 @@ def semantic_problems(cfg, check_files: bool = True) -> list[tuple[str, str]]:
             problems.append((f"export.{name}", f"exporter cannot load: {exc}"))
     problems += _device_problems(cfg)
     problems += _task_problems(cfg, check_files)
+    problems += _arm64_problems(cfg, check_files)
     return problems
+
+
+def _arm64_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
+    """``checks.arm64`` needs the ARM64 environment built for the installed versions and QEMU on the
+    host: refused before any stage runs rather than after the export."""
+    if cfg.checks.arm64 is None or not check_files:
+        return []
+    import shutil
+
+    from targets.arm64.environment import find
+
+    if find() is None or shutil.which("qemu-aarch64-static") is None:
+        return [("checks.arm64", "the ARM64 environment is not set up for the installed versions; run "
+                 "`optimize setup arm64` (or `make arm64`) once, or remove checks.arm64")]
+    return []
 
 
 def _device_problems(cfg) -> list[tuple[str, str]]:

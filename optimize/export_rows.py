@@ -17,6 +17,7 @@ import torch
 from export.base import ExportResult, get_exporter
 from optimize import export_cache
 from optimize.config import PipelineConfigBase
+from optimize.checks.arm64 import arm64_gates, measure_arm64
 from optimize.config_checks import export_options
 from optimize.footprint.memory import MemoryFootprint, footprint
 from optimize.footprint.predict import bytes_by_scheme, device_gates, packed_copy_bytes, predict, weight_bytes_per_token
@@ -86,6 +87,7 @@ def export_rows(state: RunState, model: torch.nn.Module, report: Report) -> None
         # with a device profile its memory gate says why an unmeasured peak cannot pass; without one,
         # a memory check that could not measure fails on its own instead of passing silently
         extra = _device_gates_or_error(state, device, model, row) if device is not None else _memory_gate(state, row)
+        extra = extra + arm64_gates(row.metrics.arm64)
         ok = record_gated(report, row, gates, state.baseline_metrics, t0, state.say, extra) and ok
         row.wall_s = wall
         if resumed:
@@ -131,6 +133,10 @@ def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, la
             current_hub().end(name, "verify")
         if state.cfg.checks.memory:
             row.metrics.memory = _measure_memory(state, model, exporter, path, row, *facts)
+        if state.cfg.checks.arm64 is not None:
+            device = load_device(state.cfg.device_profile) if state.cfg.device_profile else None
+            row.metrics.arm64 = measure_arm64(state.cfg.checks.arm64, Path(path), state.prompt, state.eval_windows,
+                                              facts[1], device, state.say)
         row.wall_s = time.perf_counter() - t0
         row.resources = meter.stop()
         rows.append(row)

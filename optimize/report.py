@@ -27,7 +27,8 @@ from targets.atomic import atomic_path, atomic_write_json, atomic_write_text
 #: 1.2: ``metrics.tasks`` holds any lm-eval task or group: each score carries ``metrics`` / ``stderr``
 #: (lm-eval's keys and values), ``headline``, ``higher_is_better``, ``kind``, ``subtasks``, ``parent``
 #: (1.1's ``acc`` / ``acc_norm`` fields are ``metrics.acc`` / ``metrics.acc_norm``)
-REPORT_SCHEMA_VERSION = "1.2"
+#: 1.3: export rows' ``metrics.arm64`` (with ``checks.arm64``): one ARM64 verification per emulated core
+REPORT_SCHEMA_VERSION = "1.3"
 
 
 class Metrics(BaseModel):
@@ -46,6 +47,8 @@ class Metrics(BaseModel):
         None, description="lm-eval task scores in this row's runtime (checks.tasks); None when the row was not scored")
     memory: MemoryFootprint | None = Field(
         None, description="export rows: artifact and KV-cache bytes, peak RSS measured in a child process (checks.memory)")
+    arm64: list[dict[str, Any]] | None = Field(
+        None, description="export rows with checks.arm64: one export.arm64.verify report per emulated core")
     device: DevicePrediction | None = Field(
         None, description="export rows with a device_profile: memory fit and the PREDICTED decode rate on the device")
 

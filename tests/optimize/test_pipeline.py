@@ -32,7 +32,7 @@ def test_runs_stages_and_writes_full_report(tiny_cfg, tmp_path):
     assert noisy.details == {"scale": 0.05}
     run = tmp_path / "run"
     data = json.loads((run / "report.json").read_text())
-    assert data["schema_version"] == "1.2" and Report.model_validate(data).rows[2].name == "noisy"
+    assert data["schema_version"] == "1.3" and Report.model_validate(data).rows[2].name == "noisy"
     assert data["data"]["eval"] == {"start": 0, "stop": 257, "tokens": 257}
     assert data["data"]["calibration"]["start"] == 257  # calibration never overlaps evaluation
     md = (run / "report.md").read_text()
