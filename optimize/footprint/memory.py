@@ -56,7 +56,8 @@ class MemoryFootprint(BaseModel):
     model_rss_bytes: int | None = Field(None, description="peak_rss_bytes - interpreter_rss_bytes: what the artifact adds")
     predicted_peak_rss_bytes: int | None = Field(
         None, description="predicted: interpreter + artifact + the backend's packed copy of the weights + KV cache "
-        "+ the largest call's logits (the model the measurement checks)")
+        "(twice in an ONNX Runtime InferenceSession: past in, present out) + the largest call's logits (the model the "
+        "measurement checks)")
     prefill_tokens: int | None = None
     decode_tokens: int | None = None
     peak_source: str | None = Field(None, description="VmHWM (reset after imports), or ru_maxrss (whole child)")
@@ -113,13 +114,16 @@ def kv_cache_bytes(config: Any, max_seq_len: int, dtype: str = "float32", positi
 
 
 def predicted_peak(interpreter: int, artifact: int, kv: int, *, packed: int = 0, vocab: int | None = None,
-                   logits_rows: int = 1, logits_copies: int = 1) -> int:
+                   logits_rows: int = 1, logits_copies: int = 1, kv_copies: int = 1) -> int:
     """The memory model the measurement checks: the interpreter and runtime, the artifact resident
     once, what the backend copies at load (``packed``, :func:`optimize.footprint.predict.packed_copy_bytes`:
-    XNNPACK's packed weights, ONNX Runtime's transposed tied table), the full KV cache, and the largest
-    call's float32 logits (``logits_rows`` x ``vocab``, ``logits_copies`` times: how many the runtime
-    and its bindings hold at once)."""
-    return int(interpreter + artifact + packed + kv + 4 * (vocab or 0) * logits_rows * logits_copies)
+    XNNPACK's packed weights, ONNX Runtime's transposed tied table), the full KV cache ``kv_copies``
+    times (2 where the graph takes the past as an input and returns the present as a new output, as
+    an ``InferenceSession`` does: the last call holds both; 1 where the cache is updated in place, in
+    ExecuTorch and onnxruntime-genai's shared buffers), and the largest call's float32 logits
+    (``logits_rows`` x ``vocab``, ``logits_copies`` times: how many the runtime and its bindings hold
+    at once)."""
+    return int(interpreter + artifact + packed + kv * kv_copies + 4 * (vocab or 0) * logits_rows * logits_copies)
 
 
 # ---- measured in a child --------------------------------------------------------------------
@@ -178,7 +182,7 @@ def footprint(artifact: Path, exporter: Any, config: Any, *, artifact_bytes: int
             fp.predicted_peak_rss_bytes = predicted_peak(
                 fp.interpreter_rss_bytes, artifact_bytes, kv, packed=packed_bytes or 0,
                 vocab=got.get("vocab_size") or _vocab(config), logits_rows=got.get("logits_rows") or 1,
-                logits_copies=got.get("logits_copies") or 1)
+                logits_copies=got.get("logits_copies") or 1, kv_copies=got.get("kv_copies") or 1)
     return fp
 
 
@@ -271,15 +275,17 @@ def _child(argv: list[str] | None = None) -> int:
     # the whole prompt); onnxruntime-genai holds about three copies of them (measured on this project's
     # exports, 3.0x the logits' bytes per prefill token); a .pte's chunk when it returns every position,
     # else one
-    rows, copies = 1, 1
+    rows, copies, kv_copies = 1, 1, 1
     if runner.runtime in ("onnxruntime", "onnxruntime-genai"):
         chunk = getattr(runner, "prefill_chunk", None)
         rows = min(int(chunk), prefill) if chunk else prefill
         copies = 3 if runner.runtime == "onnxruntime-genai" else 1
+        # an InferenceSession's last call holds the past it was fed and the present it returns
+        kv_copies = 2 if runner.runtime == "onnxruntime" else 1
     elif hasattr(runner, "all_positions"):
         rows = min(int(runner.max_chunk), prefill) if runner.all_positions else 1
     out = {"peak_rss_bytes": int(peak), "interpreter_rss_bytes": interpreter, "prefill_tokens": prefill,
-           "logits_rows": rows, "logits_copies": copies, "vocab_size": int(vocab) if getattr(runner, "vocab_size", None) else None,
+           "logits_rows": rows, "logits_copies": copies, "kv_copies": kv_copies, "vocab_size": int(vocab) if getattr(runner, "vocab_size", None) else None,
            "decode_tokens": decode, "max_seq_len": int(n), "peak_source": source, "runtime": runner.runtime,
            "threads": args.threads}
     runner.close()

@@ -176,7 +176,11 @@ def _host_tools(say) -> list[str]:
         raise Arm64SetupError(f"the ARM64 check needs {', '.join(missing)} from Debian; install them with "
                               f"`sudo {' '.join(command[:2])} {' '.join(missing)}` and run this again")
     say(f"apt-get install {' '.join(missing)}")
-    run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    if run.returncode != 0 and "Unable to locate package" in run.stderr:  # a machine whose package lists are empty
+        subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env)
+        run = subprocess.run(command, capture_output=True, text=True, env=env)
     if run.returncode != 0:
         raise Arm64SetupError(f"apt-get install {' '.join(missing)} failed: {run.stderr.strip()[-400:]}")
     return missing

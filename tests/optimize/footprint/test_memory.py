@@ -33,6 +33,8 @@ def test_kv_cache_bytes_equals_a_real_cache(tiny_config, family):
 
 def test_predicted_peak_adds_its_parts():
     assert predicted_peak(100, 10, 5, packed=7, vocab=50, logits_rows=3, logits_copies=2) == 100 + 10 + 7 + 5 + 4 * 50 * 6
+    # an InferenceSession's last call holds the past it was fed and the present it returns
+    assert predicted_peak(100, 10, 5, kv_copies=2) == 100 + 10 + 2 * 5
     fp = MemoryFootprint(peak_rss_bytes=1000, predicted_peak_rss_bytes=950)
     assert fp.prediction_error_pct == pytest.approx(-5.0)
 
