@@ -4,6 +4,8 @@ without building anything (tests/export/arm64/test_verify.py builds and runs it)
 from __future__ import annotations
 
 
+import json
+
 import pytest
 
 from targets.arm64 import cpus, environment
@@ -66,3 +68,20 @@ def test_stub_assembly_gives_type_info_a_name_and_functions_scratch():
     assert '.asciz "N5torch3FooE"' in text  # pybind11 hashes type_info::name()
     assert "cudaMalloc:" in text and "adrp x0, stub_scratch" in text
     assert ".size some_table, 64" in text
+
+
+def test_setup_command_prints_what_it_built(monkeypatch, capsys):
+    from optimize.cli import main
+
+    info = {"path": "/c/abc", "built": True, "bytes": {"root": 75 << 20, "site": 1300 << 20},
+            "versions": {"torch": "2.13.0", "executorch": "1.5.1", "onnxruntime": "1.31.1", "onnxruntime-genai": "0.18.0",
+                         "numpy": "2.4.6"}}
+    calls = []
+    monkeypatch.setattr(environment, "setup", lambda **kw: calls.append(kw) or info)
+    assert main(["setup", "arm64"]) == 0
+    out = capsys.readouterr().out
+    assert "ARM64 environment built: /c/abc (1.34 GiB; torch 2.13.0, executorch 1.5.1" in out and "numpy" not in out
+    assert main(["setup", "arm64", "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == "/c/abc" and calls[-1]["force"] is True
+    monkeypatch.setattr(environment, "setup", lambda **kw: (_ for _ in ()).throw(environment.Arm64SetupError("no apt")))
+    assert main(["setup", "arm64"]) == 2 and "error: no apt" in capsys.readouterr().err
