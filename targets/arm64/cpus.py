@@ -33,8 +33,9 @@ class EmulatedCpu:
     arch_level: str
 
     def describe(self, stands_for: str | None = None) -> str:
+        """``cortex-a76 for cortex-a78ae (armv8.2-a, QEMU -cpu cortex-a76)``"""
         who = f" for {stands_for}" if stands_for and stands_for != self.name else ""
-        return f"{self.name}{who} ({self.arch_level}, emulated by QEMU -cpu {self.qemu})"
+        return f"{self.name}{who} ({self.arch_level}, QEMU -cpu {self.qemu})"
 
 
 _V80 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid"
