@@ -47,24 +47,32 @@ def test_bad_requests_are_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_exports(tmp_path_factory):
-    from export.executorch.exporter import ExecuTorchExporter
-    from export.onnxruntime.exporter import OnnxRuntimeExporter
+def tiny():
     from targets.sources import RandomSource, load_model
 
-    m = load_model(RandomSource(config=dict(TINY), seed=0))
-    out = tmp_path_factory.mktemp("arm64")
-    pte = ExecuTorchExporter().export(m.model, m.tokenizer, out / "et", {"max_seq_len": 64, "quantize": "8da4w"},
-                                      log=lambda *a: None).artifact
-    ort = OnnxRuntimeExporter().export(m.model, m.tokenizer, out / "ort", {"max_seq_len": 64, "quantize": "dynamic"},
+    return load_model(RandomSource(config=dict(TINY), seed=0))
+
+
+@pytest.fixture()
+def tiny_pte(tiny, tmp_path):
+    from export.executorch.exporter import ExecuTorchExporter
+
+    return ExecuTorchExporter().export(tiny.model, tiny.tokenizer, tmp_path / "et", {"max_seq_len": 64, "quantize": "8da4w"},
                                        log=lambda *a: None).artifact
-    return pte, ort
+
+
+@pytest.fixture()
+def tiny_onnx(tiny, tmp_path):
+    from export.onnxruntime.exporter import OnnxRuntimeExporter
+
+    return OnnxRuntimeExporter().export(tiny.model, tiny.tokenizer, tmp_path / "ort", {"max_seq_len": 64, "quantize": "dynamic"},
+                                        log=lambda *a: None).artifact
 
 
 @pytest.mark.slow
-@pytest.mark.minutes(1.5)
-def test_pte_verifies_on_a76_and_armv9_and_dies_of_sigill_on_the_pi4_core(arm64_env, tiny_exports):
-    pte, _ = tiny_exports
+@pytest.mark.minutes(2)
+def test_pte_verifies_on_a76_and_armv9_and_dies_of_sigill_on_the_pi4_core(arm64_env, tiny_pte):
+    pte = tiny_pte
     for cpu in ("cortex-a76", "max"):
         rep = verify_on_arm64(pte, prompts=PROMPTS, windows=WINDOWS, new_tokens=8, cpu=cpu)
         assert rep["verified"], rep
@@ -81,15 +89,15 @@ def test_pte_verifies_on_a76_and_armv9_and_dies_of_sigill_on_the_pi4_core(arm64_
 
 
 @pytest.mark.slow
-def test_optimize_verify_cli(arm64_env, tiny_exports, capsys, tmp_path):
+def test_optimize_verify_cli(arm64_env, tiny_onnx, capsys, tmp_path):
     from optimize.cli import main
 
-    _, onnx = tiny_exports
+    onnx = tiny_onnx
     out = tmp_path / "rep.json"
     assert main(["verify", str(onnx), "--cpu", "cortex-a72", "--prompts", "1", "--new-tokens", "4",
                  "--windows", "1", "--window-tokens", "32", "--output", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "verified on aarch64 (emulated, cortex-a72" in text and "perplexity" in text
+    assert "verified on aarch64 (emulated, cortex-a72)" in text and "perplexity" in text
     rep = json.loads(out.read_text())
     assert rep["runtime"] == "onnxruntime" and rep["verified"] and rep["guest"]["machine"] == "aarch64"
     assert main(["verify", str(onnx), "--cpu", "cortex-a7"]) == 2
