@@ -35,6 +35,7 @@ import copy
 import csv
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -169,10 +170,12 @@ def child_pipeline(spec: dict, out: Path) -> None:
     from optimize import run_pipeline
     from optimize.config import load_config
 
-    cfg = load_config(spec["config"])
-    t0 = time.perf_counter()
-    report = run_pipeline(cfg, say=lambda msg: print(msg, file=sys.stderr), progress=True)
-    out.write_text(json.dumps({"report": report.model_dump(mode="json"), "wall_s": time.perf_counter() - t0}))
+    with tempfile.TemporaryDirectory(prefix=f"bench_gpu_{spec['config']['name']}_") as run_dir:
+        # the run's checkpoints and artifacts, gone with the child: only its report is kept
+        cfg = load_config({**spec["config"], "output_dir": spec["config"].get("output_dir") or run_dir})
+        t0 = time.perf_counter()
+        report = run_pipeline(cfg, say=lambda msg: print(msg, file=sys.stderr), progress=True)
+        out.write_text(json.dumps({"report": report.model_dump(mode="json"), "wall_s": time.perf_counter() - t0}))
 
 
 def _peak_mib(dev) -> float:
@@ -243,7 +246,10 @@ def run_child(kind: str, spec: dict, budget: Budget, cap: float, *, threads: int
     out = Path(tempfile.mkdtemp(prefix=f"bench_gpu_{kind}_")) / "r.json"
     cmd = [sys.executable, __file__, "--child", kind, "--spec", json.dumps(spec), "--result", str(out)]
     log(f"{kind}: {json.dumps({k: v for k, v in spec.items() if k != 'config'})[:200]}")
-    res = run_json_child(cmd, out, _env(threads), min(cap, budget.left()), tail=300)
+    try:
+        res = run_json_child(cmd, out, _env(threads), min(cap, budget.left()), tail=300)
+    finally:  # the result file is read; its folder would stay in /tmp after every section
+        shutil.rmtree(out.parent, ignore_errors=True)
     log(f"  -> {json.dumps(res, default=str)[:300]}")
     return res
 
@@ -367,8 +373,7 @@ def _stage_config(name: str, model: dict, stages: list[dict], device: str, *, dt
         data["calibration_tokens"] = calibration_tokens
     cfg = {"version": 1, "name": name, "model": model, "data": data,
            "checks": {"latency": {"enabled": False}, "generate_tokens": 0},
-           "gates": {"on_fail": "warn"}, "stages": stages, "device": device,
-           "output_dir": str(Path(tempfile.mkdtemp(prefix=f"bench_gpu_{name}_"))), "resume": False}
+           "gates": {"on_fail": "warn"}, "stages": stages, "device": device, "resume": False}
     if dtype:
         cfg["compute_dtype"] = dtype
     return cfg
@@ -423,15 +428,18 @@ def start_cpu_stages(args) -> tuple[subprocess.Popen, Path, float] | None:
 def finish_cpu_stages(started, budget: Budget) -> dict:
     proc, out, t0 = started
     try:
-        _, err = proc.communicate(timeout=max(budget.left(), 1))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"error": f"not finished after {time.time() - t0:.0f}s (the run's budget)",
-                "running_s": time.time() - t0}
-    if proc.returncode != 0 or not out.exists():
-        return {"error": f"exit {proc.returncode}: {(err.strip().splitlines() or ['?'])[-1][:300]}"}
-    return {**json.loads(out.read_text()), "wall_s": time.time() - t0}
+        try:
+            _, err = proc.communicate(timeout=max(budget.left(), 1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return {"error": f"not finished after {time.time() - t0:.0f}s (the run's budget)",
+                    "running_s": time.time() - t0}
+        if proc.returncode != 0 or not out.exists():
+            return {"error": f"exit {proc.returncode}: {(err.strip().splitlines() or ['?'])[-1][:300]}"}
+        return {**json.loads(out.read_text()), "wall_s": time.time() - t0}
+    finally:  # the result file is read; its folder would stay in /tmp
+        shutil.rmtree(out.parent, ignore_errors=True)
 
 
 def section_stages(args, budget: Budget) -> list[dict]:

@@ -186,11 +186,11 @@ def _host_tools(say) -> list[str]:
     return missing
 
 
-def _pip(target: Path, requirements: list[str]) -> None:
+def _pip(target: Path, requirements: list[str], env: dict) -> None:
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
            "--python-version", "3.11", "--implementation", "cp", "--target", str(target),
            *(a for p in PLATFORMS for a in ("--platform", p)), *requirements]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if run.returncode != 0:
         raise Arm64SetupError(f"pip could not install the ARM64 wheels: {run.stderr.strip()[-600:]}")
 
@@ -223,17 +223,22 @@ def setup(*, force: bool = False, say=None) -> dict:
 
 def _build(versions: dict[str, str], key: str, dest: Path, say) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=home()))
+    # pip unpacks about 1.8 GB of wheels before moving them into place: in the build folder, not /tmp
+    scratch = work / ".tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
     try:
         t0 = time.perf_counter()
         say(f"ARM64 Debian {DEBIAN_SUITE} root with {', '.join(ROOT_PACKAGES)} (mmdebstrap, nothing emulated)")
         run = subprocess.run(["mmdebstrap", "--quiet", "--mode=root", "--arch=arm64", "--variant=extract",
                               f"--include={','.join(ROOT_PACKAGES)}", DEBIAN_SUITE, str(work / "root")],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, env=env)
         if run.returncode != 0:
             raise Arm64SetupError(f"mmdebstrap failed (it needs deb.debian.org or a mirror): {run.stderr.strip()[-600:]}")
         t_root = time.perf_counter() - t0
         say("ARM64 wheels: " + ", ".join(f"{d}=={v}" for d, v in versions.items()))
-        _pip(work / "site", [f"{d}=={v}" for d, v in versions.items()] + list(UNPINNED))
+        _pip(work / "site", [f"{d}=={v}" for d, v in versions.items()] + list(UNPINNED), env)
+        shutil.rmtree(scratch, ignore_errors=True)
         for rel in PRUNE:
             shutil.rmtree(work / "site" / rel, ignore_errors=True)
         t_wheels = time.perf_counter() - t0 - t_root
