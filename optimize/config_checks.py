@@ -72,13 +72,12 @@ def _arm64_problems(cfg, check_files: bool) -> list[tuple[str, str]]:
     host: refused before any stage runs rather than after the export."""
     if cfg.checks.arm64 is None or not check_files:
         return []
-    import shutil
+    from targets.arm64.environment import Arm64SetupError, require
 
-    from targets.arm64.environment import find
-
-    if find() is None or shutil.which("qemu-aarch64-static") is None:
-        return [("checks.arm64", "the ARM64 environment is not set up for the installed versions; run "
-                 "`optimize setup arm64` (or `make arm64`) once, or remove checks.arm64")]
+    try:
+        require()
+    except Arm64SetupError as exc:
+        return [("checks.arm64", f"{exc}, or remove checks.arm64")]
     return []
 
 

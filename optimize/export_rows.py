@@ -116,6 +116,8 @@ def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, la
     """Measure every artifact of an export in its runtime against eager: one row each."""
     index = len(state.cfg.stages)
     rows = []
+    arm64_device = (load_device(state.cfg.device_profile)
+                    if state.cfg.checks.arm64 is not None and state.cfg.device_profile else None)
     artifacts = [(label, result.artifact, dict(result.details))]
     artifacts += [(f"{label}:{k}", p, dict(result.extra_details.get(k, {}))) for k, p in result.extra_artifacts.items()]
     for name, path, details in artifacts:
@@ -134,9 +136,8 @@ def _verify_export(state: RunState, model: torch.nn.Module, exporter, result, la
         if state.cfg.checks.memory:
             row.metrics.memory = _measure_memory(state, model, exporter, path, row, *facts)
         if state.cfg.checks.arm64 is not None:
-            device = load_device(state.cfg.device_profile) if state.cfg.device_profile else None
             row.metrics.arm64 = measure_arm64(state.cfg.checks.arm64, Path(path), state.prompt, state.eval_windows,
-                                              facts[1], device, state.say)
+                                              facts[1], arm64_device, state.say)
         row.wall_s = time.perf_counter() - t0
         row.resources = meter.stop()
         rows.append(row)

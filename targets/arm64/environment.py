@@ -112,10 +112,6 @@ class Arm64Environment:
     def stubs(self) -> Path:
         return self.path / "stubs"
 
-    @property
-    def python(self) -> Path:
-        return self.root / "usr/bin/python3.11"
-
     def info(self) -> dict:
         return json.loads((self.path / MARKER).read_text())
 
@@ -156,13 +152,14 @@ def find() -> Arm64Environment | None:
 
 
 def require() -> Arm64Environment:
+    """The built environment, or :class:`Arm64SetupError` saying what to run: the one check both
+    the ARM64 check and ``optimize validate`` (``checks.arm64``) make."""
     env = find()
     if env is None:
         raise Arm64SetupError("the ARM64 environment is not set up for the installed versions; run "
                               "`optimize setup arm64` (or `make arm64`) once")
-    missing = [c for c in ("qemu-aarch64-static",) if shutil.which(c) is None]
-    if missing:
-        raise Arm64SetupError(f"{missing[0]} is not installed; run `optimize setup arm64`")
+    if shutil.which("qemu-aarch64-static") is None:
+        raise Arm64SetupError("qemu-aarch64-static is not installed; run `optimize setup arm64`")
     return env
 
 
