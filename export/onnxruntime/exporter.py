@@ -59,6 +59,15 @@ def _kv_layout(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(int(l.keys.shape[1]), int(l.keys.shape[3])) for l in out.past_key_values.layers]
 
 
+def _graph_io(path: Path) -> dict:
+    """The graph's own input and output names (the fused graph takes no ``position_ids``, and the
+    split head adds ``return_all_logits`` and ``all_logits``)."""
+    import onnx
+
+    g = onnx.load(str(path), load_external_data=False).graph
+    return {"inputs": [i.name for i in g.input], "outputs": [o.name for o in g.output]}
+
+
 class OnnxRuntimeExporter(Exporter):
     name = "onnxruntime"
     options_model = OnnxRuntimeOptions
@@ -120,11 +129,13 @@ class OnnxRuntimeExporter(Exporter):
             exact = not quantized and opts.quantize == "none"
             smoke = _smoke_check(EagerRunner(model), stage / MODEL_FILE, exact=exact)
             smoke["genai_greedy"] = genai_smoke(stage, EagerRunner(model), _SMOKE_IDS, 8)
-            quant = {"mode": opts.quantize, "eager_quantized_linears": len(quantized), **info["installed"],
+            installed = dict(info["installed"])
+            head = installed.pop("head", None)
+            quant = {"mode": opts.quantize, "eager_quantized_linears": len(quantized), **installed,
                      "linear_schemes": info["linear_schemes"], "accuracy_level": opts.accuracy_level}
             manifest = self._manifest(stage, opts, mtype, layout, max_seq, quant, smoke, True)
             manifest.update(graph="fused", genai_config=GENAI_CONFIG, builder=info["builder"], ops=info["ops"],
-                            build_timings_s=info["timings_s"])
+                            build_timings_s=info["timings_s"], head=head, **_graph_io(stage / MODEL_FILE))
             if "decode_ops" in info:
                 manifest["decode_ops"] = info["decode_ops"]
             return manifest
@@ -140,6 +151,7 @@ class OnnxRuntimeExporter(Exporter):
                                   genai_greedy=result.manifest["smoke_check"]["genai_greedy"])
             result.extra_artifacts["genai"] = Path(out_dir) / GENAI_CONFIG
             result.extra_details["genai"] = {"runtime": "onnxruntime-genai", "graph": "fused",
+                                             "quantization": result.details.get("quantization"),
                                              "note": "the same model.onnx, run by onnxruntime_genai.Model/Generator"}
         else:
             result.details["graph"] = "dynamo"

@@ -38,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 from export.base import ExportError
 from export.onnxruntime.int8_format import u8u8_arrays
 from export.onnxruntime.decode_branch import Chain, add_decode_branch, all_nodes
+from export.onnxruntime.last_logits import split_head
 from export.onnxruntime.plan import FusedPlan, LinearPlan, _kind, _linears, plan_model, write_hf_dir  # noqa: F401
 from export.onnxruntime.weights import BlockQuant, cat_rows, int8_columns, nbits_arrays, rtn_int8_rows
 
@@ -225,18 +226,20 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
 
 
 def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: Callable[[str], None], *,
-            decode_branch: bool = True, int8_format: dict | None = None) -> dict:
+            decode_branch: bool = True, int8_format: dict | None = None, last_logits: bool = True) -> dict:
     """Rewrite the builder's fp32 graph at ``src`` into ``dst`` (``model.onnx`` + ``.data``)
     with the planned kernels; returns what was installed (for the manifest). ``decode_branch``:
     per-token Linears run as one DynamicQuantizeMatMul each when one token is fed
     (:mod:`export.onnxruntime.decode_branch`). ``int8_format``: the resolved
     :func:`export.onnxruntime.int8_format.resolve_int8_format` for the per-token Linears
-    (default u8s8)."""
+    (default u8s8). ``last_logits``: ``logits`` is the last position's and ``all_logits`` every
+    position's on request (:mod:`export.onnxruntime.last_logits`)."""
     int8_format = int8_format or {"format": "u8s8", "why": "default"}
     unsigned = int8_format["format"] == "u8u8"
     proto = onnx.load(str(src), load_external_data=False)
     gr = _Graph(proto, src.parent)
     modules = set(_linears(model))
+    hidden = next((n.input[0] for n in gr.g.node if n.name == LM_HEAD_NODE), None)
     installed: Counter = Counter()
     seen: set[str] = set()
     for node in [n for n in gr.g.node if n.op_type == "MatMul"]:
@@ -283,6 +286,7 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
     except ValueError as exc:
         raise ExportError(f"onnxruntime exporter: input embedding: {exc}") from None
     gr.prune()
+    head = split_head(proto, hidden, gr.chains) if last_logits and hidden else None
     branched = add_decode_branch(proto, gr.chains) if decode_branch else 0
     onnx.external_data_helper.load_external_data_for_model(proto, str(src.parent))
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -290,7 +294,7 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
               location=dst.name + ".data", size_threshold=1024)
     log(f"onnxruntime: installed {dict(installed) or 'no quantized'} MatMul kernels; embedding {emb}"
         + (f"; decode branch fuses {branched} per-token Linears" if branched else ""))
-    out = {"matmuls": dict(installed), "embedding": emb, "decode_branch_linears": branched}
+    out = {"matmuls": dict(installed), "embedding": emb, "decode_branch_linears": branched, "head": head}
     if gr.chains:  # int8 weights against uint8 activations: say which integer GEMM runs them
         out["int8_format"] = int8_format
     return out

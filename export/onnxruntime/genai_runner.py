@@ -2,8 +2,10 @@
 
 It loads an export directory (``genai_config.json`` + ``model.onnx`` + tokenizer files) with
 ``onnxruntime_genai.Model`` and drives a ``Generator``: ``append_tokens`` feeds a chunk and
-``get_output("logits")`` returns the logits of every appended position, so the pipeline's
-perplexity, parity, greedy and latency checks measure the artifact the way an app runs it.
+``get_output`` returns the last position's logits, or every appended position's where the caller
+scores them (``all_logits`` of the split head, :mod:`export.onnxruntime.last_logits`; ``logits``
+of an older graph), so the pipeline's perplexity, parity, greedy and latency checks measure the
+artifact the way an app runs it.
 :func:`genai_greedy` is onnxruntime-genai's own greedy search (``generate_next_token``).
 """
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
 from export.runtime import Runner, RunnerError
 
 log = logging.getLogger(__name__)
@@ -23,9 +26,12 @@ log = logging.getLogger(__name__)
 GENAI_CONFIG = "genai_config.json"
 
 
-def _load_model(directory: Path, threads: int | None):
+def _load_model(directory: Path, threads: int | None, *, graph: bytes | None = None):
     """(og.Model, genai_config dict); ``threads`` overrides the session's intra-op threads
-    through ``Config.overlay`` (the file stays as shipped)."""
+    through ``Config.overlay`` (the file stays as shipped). ``graph``: the decoder graph to load
+    from memory instead of its file (:func:`_scoring_graph`; its weights still come from the
+    folder). onnxruntime-genai keeps a pointer to those bytes, not a copy: the caller holds them
+    as long as the model."""
     import onnxruntime_genai as og
 
     directory = Path(directory)
@@ -35,6 +41,8 @@ def _load_model(directory: Path, threads: int | None):
     try:
         cfg = json.loads(cfg_path.read_text())
         config = og.Config(str(directory))
+        if graph is not None:
+            config.add_model_data(cfg["model"]["decoder"]["filename"], graph)
         if threads:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {
                 "intra_op_num_threads": int(threads), "inter_op_num_threads": 1}}}}))
@@ -58,6 +66,34 @@ def _warn_on_saturating_int8(directory: Path) -> None:
     warn_if_saturates(fmt.get("format"), str(directory))
 
 
+def _has_split_head(model_file: Path) -> bool:
+    """Whether the decoder graph returns the last position in ``logits`` and every position in
+    ``all_logits`` on request (:mod:`export.onnxruntime.last_logits`): read from the graph itself,
+    without its weights, so a directory our manifest did not write is judged the same way."""
+    import onnx
+
+    try:
+        g = onnx.load(str(model_file), load_external_data=False).graph
+    except Exception:  # not a graph protobuf reads: onnxruntime-genai will say what is wrong
+        return False
+    return split_head_io([i.name for i in g.input], [o.name for o in g.output])
+
+
+def _scoring_graph(model_file: Path) -> bytes:
+    """The decoder graph (weights left in their external file) with ``return_all_logits`` a plain
+    input instead of an initializer that defaults to false. onnxruntime-genai feeds a model only
+    the inputs its session lists, and an ONNX Runtime session does not list an overridable
+    initializer, so ``Generator.set_model_input`` cannot reach the shipped default; as a plain
+    input it can, and the runner flips it per call. Every other node, weight and default is the
+    shipped graph's: a call that asks for the last position computes what an app computes."""
+    import onnx
+
+    proto = onnx.load(str(model_file), load_external_data=False)
+    for t in [t for t in proto.graph.initializer if t.name == ASK]:
+        proto.graph.initializer.remove(t)
+    return proto.SerializeToString()
+
+
 class GenaiRunner(Runner):
     """An export directory run by ``onnxruntime_genai`` (CPU). ``max_seq_len`` is the search
     ``max_length`` its KV buffers are sized for (``genai_config.json``'s, unless given)."""
@@ -69,7 +105,18 @@ class GenaiRunner(Runner):
 
         self.path = Path(directory)
         self.threads = int(intra_op_threads or torch.get_num_threads())
-        self.model, self.config = _load_model(self.path, self.threads)
+        cfg_path = self.path / GENAI_CONFIG
+        try:
+            decoder = json.loads(cfg_path.read_text())["model"]["decoder"]["filename"]
+        except (OSError, ValueError, KeyError, TypeError):
+            decoder = None  # _load_model says what is wrong with the folder
+        #: the split head: onnxruntime-genai allocates one row of ``logits`` per call (its pruned
+        #: mode), and every position comes from ``all_logits`` when this runner asks for them
+        self.last_logits = bool(decoder) and _has_split_head(self.path / decoder)
+        self._graph = _scoring_graph(self.path / decoder) if self.last_logits else None
+        self.model, self.config = _load_model(self.path, self.threads, graph=self._graph)
+        #: fed to every call by reference (set_model_input keeps the array's buffer): flipped per call
+        self._ask = np.array(False)
         self._og = og
         self.max_seq_len = int(max_seq_len or self.config["search"]["max_length"])
         #: onnxruntime-genai prefills in chunks of search.chunk_size and then returns only the last
@@ -88,6 +135,8 @@ class GenaiRunner(Runner):
             params = self._og.GeneratorParams(self.model)
             params.set_search_options(max_length=self.max_seq_len, do_sample=False)
             self._gen = self._og.Generator(self.model, params)
+            if self.last_logits:
+                self._gen.set_model_input(ASK, self._ask)
         return self._gen
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
@@ -97,9 +146,13 @@ class GenaiRunner(Runner):
     def _append(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
         t = int(ids.numel())
         gen = self._generator()
+        head = LAST
         try:
+            if self.last_logits:
+                self._ask[...] = bool(all_logits)
+                head = ALL if all_logits else LAST
             gen.append_tokens(ids.to(torch.int32).numpy())
-            logits = gen.get_output("logits")
+            logits = gen.get_output(head)
         except Exception as exc:
             raise RunnerError(f"onnxruntime-genai failed running {self.path}: {type(exc).__name__}: {exc}") from None
         self._pos += t
@@ -134,6 +187,7 @@ class GenaiRunner(Runner):
     def close(self) -> None:
         self._gen = None
         self.model = None
+        self._graph = None  # after the model: onnxruntime-genai read the graph from these bytes
 
 
 def genai_greedy(directory: Path, prompt_ids, max_new_tokens: int, *, model=None) -> list[int]:

@@ -47,6 +47,9 @@ class OnnxRuntimeOptions(ExportOptions):
         True, description="fused graph, per_token int8 Linears: one-token calls take a branch running each as one "
         "DynamicQuantizeMatMul (for one token the same arithmetic as the per-token chain, one op instead of ~18)",
     )
+    last_logits: bool = Field(
+        True, description="fused graph: the output logits holds the last fed position only (what generating needs; onnxruntime-genai then allocates one row per call), and every position goes to all_logits only when the input return_all_logits is true (scoring); false: logits holds every position, as the builder writes it",
+    )
     opset: int = Field(18, ge=18, le=23, description="ONNX opset of the dynamo graph (18..23)")
     external_data: Literal["auto", "always", "never"] = Field(
         "auto", description="weights in model.onnx.data; auto = when weights exceed 256 MiB"
@@ -160,7 +163,7 @@ def _resolve_graph(config, opts: OnnxRuntimeOptions) -> tuple[str, list[str]]:
 
 #: options only one graph reads: given for the other, they would be silently ignored
 _DYNAMO_ONLY = ("opset", "optimize_graph", "reduce_range", "calibrate_method", "calibration_windows")
-_FUSED_ONLY = ("accuracy_level", "int8_kernel", "decode_branch")
+_FUSED_ONLY = ("accuracy_level", "int8_kernel", "decode_branch", "last_logits")
 
 
 def _fused_option_problems(opts: OnnxRuntimeOptions) -> list[str]:

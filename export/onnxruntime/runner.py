@@ -14,6 +14,7 @@ import torch
 
 from export.runtime import Runner, RunnerError
 from export.onnxruntime.int8_format import warn_if_saturates
+from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
 
 MANIFEST = "manifest.json"
 GRAPH_LEVELS = ("disable", "basic", "extended", "all")
@@ -107,6 +108,10 @@ class OnnxRuntimeRunner(Runner):
                               f"manifest beside it gives them")
         self._empty = {n: np.zeros((1, dims[n][0], 0, dims[n][1]), dtype=np.float32) for n in self._past_names}
         self._out_names = [o.name for o in self.session.get_outputs()]
+        #: ``logits`` holds the last position and ``all_logits`` every position on request
+        #: (:mod:`export.onnxruntime.last_logits`); an older graph returns every position in ``logits``
+        self.last_logits = split_head_io([i.name for i in self.session.get_overridable_initializers()],
+                                         self._out_names)
         self.max_seq_len = manifest.get("max_seq_len") if max_seq_len == "manifest" else max_seq_len
         #: a longer input is fed in calls of at most this many tokens (None: one call; exports before
         #: the option have none)
@@ -133,17 +138,25 @@ class OnnxRuntimeRunner(Runner):
         }
         if self._position_ids:
             feeds["position_ids"] = np.arange(self._pos, self._pos + t, dtype=np.int64).reshape(1, t)
+        head = self._head(feeds, all_logits)
+        presents = ["present." + n[len("past_key_values."):] for n in self._past_names]
         try:
-            outs = self.session.run(self._out_names, feeds)
+            outs = self.session.run([head, *presents], feeds)
         except Exception as exc:
             raise RunnerError(f"ONNX Runtime failed running {self.path}: {type(exc).__name__}: {exc}") from None
-        named = dict(zip(self._out_names, outs))
-        self._past = {n: named["present." + n[len("past_key_values."):]] for n in self._past_names}
+        self._past = dict(zip(self._past_names, outs[1:]))
         self._pos += t
-        logits = named["logits"][0]
+        logits = outs[0][0]
         if not all_logits:  # a copy of the last row: a view would keep the call's positions x vocab logits alive
             return torch.from_numpy(np.array(logits[-1:], dtype=np.float32))
         return torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+
+    def _head(self, feeds: dict, all_logits: bool) -> str:
+        """The logits output to fetch; asks the graph for every position where the caller needs them."""
+        if not self.last_logits:
+            return LAST
+        feeds[ASK] = np.array(bool(all_logits))
+        return ALL if all_logits else LAST
 
     def forward_each(self, rests: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The choices of one context as one batch on the graph's batch axis: the past repeated per
@@ -159,7 +172,7 @@ class OnnxRuntimeRunner(Runner):
         if self._position_ids:
             feeds["position_ids"] = np.tile(np.arange(self._pos, self._pos + longest, dtype=np.int64), (k, 1))
         try:
-            logits = self.session.run(["logits"], feeds)[0]
+            logits = self.session.run([self._head(feeds, True)], feeds)[0]
         except Exception as exc:
             raise RunnerError(f"ONNX Runtime failed running {self.path} on a batch of {k}: "
                               f"{type(exc).__name__}: {exc}") from None

@@ -17,8 +17,9 @@ Three figures per export row (:class:`MemoryFootprint`, in ``Metrics.memory``):
   adds, and what a device's usable memory is compared with (:mod:`optimize.footprint.predict`).
 
 ``predicted_peak_rss_bytes`` is the simple model the measurement checks (:func:`predicted_peak`):
-interpreter + artifact + the backend's packed copy of the Linear weights + KV cache + the largest
-call's logits; the report gives both and their difference.
+interpreter + artifact + the backend's packed copy of the Linear weights + KV cache + one prefill
+call's attention scores + the largest call's logits; the report gives both, their difference and
+the model's parts (``predicted_parts``).
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ class MemoryFootprint(BaseModel):
     model_rss_bytes: int | None = Field(None, description="peak_rss_bytes - interpreter_rss_bytes: what the artifact adds")
     predicted_peak_rss_bytes: int | None = Field(
         None, description="predicted: interpreter + artifact + the backend's packed copy of the weights + KV cache "
-        "(twice in an ONNX Runtime InferenceSession: past in, present out) + the largest call's logits (the model the "
-        "measurement checks)")
+        "(twice in an ONNX Runtime InferenceSession: past in, present out) + one prefill call's attention scores + "
+        "the largest call's logits (the model the measurement checks)")
+    predicted_parts: dict[str, int] | None = Field(
+        None, description="the prediction's terms, bytes: interpreter, runtime, artifact, packed, kv_cache, attention, "
+        "logits")
     prefill_tokens: int | None = None
     decode_tokens: int | None = None
     peak_source: str | None = Field(None, description="VmHWM (reset after imports), or ru_maxrss (whole child)")
@@ -113,17 +117,49 @@ def kv_cache_bytes(config: Any, max_seq_len: int, dtype: str = "float32", positi
     return sum(2 * h * d * n * _DTYPE_BYTES[dtype] for h, d in zip(heads, dims))
 
 
-def predicted_peak(interpreter: int, artifact: int, kv: int, *, packed: int = 0, vocab: int | None = None,
-                   logits_rows: int = 1, logits_copies: int = 1, kv_copies: int = 1) -> int:
-    """The memory model the measurement checks: the interpreter and runtime, the artifact resident
-    once, what the backend copies at load (``packed``, :func:`optimize.footprint.predict.packed_copy_bytes`:
-    XNNPACK's packed weights, ONNX Runtime's transposed tied table), the full KV cache ``kv_copies``
-    times (2 where the graph takes the past as an input and returns the present as a new output, as
-    an ``InferenceSession`` does: the last call holds both; 1 where the cache is updated in place, in
-    ExecuTorch and onnxruntime-genai's shared buffers), and the largest call's float32 logits
-    (``logits_rows`` x ``vocab``, ``logits_copies`` times: how many the runtime and its bindings hold
-    at once)."""
-    return int(interpreter + artifact + packed + kv * kv_copies + 4 * (vocab or 0) * logits_rows * logits_copies)
+#: what onnxruntime-genai's ``og.Model`` holds beyond an ``InferenceSession`` of the same graph, measured
+#: at load: 16 MiB for the tiny test Llama (49.6 against 33.6 MiB) and for SmolLM2 W8A8 (331 against 315)
+GENAI_LOAD_BYTES = 16 * MIB
+
+
+def predicted_parts(interpreter: int, artifact: int, kv: int, *, packed: int = 0, vocab: int | None = None,
+                    logits_rows: int = 1, logits_copies: int = 1, kv_copies: int = 1, attention: int = 0,
+                    runtime: int = 0) -> dict[str, int]:
+    """The memory model the measurement checks, term by term: the interpreter and runtime, the
+    artifact resident once, what the backend copies at load (``packed``,
+    :func:`optimize.footprint.predict.packed_copy_bytes`: XNNPACK's and MLAS's packed weights, ONNX
+    Runtime's transposed tied table), the full KV cache ``kv_copies`` times (2 where the graph takes
+    the past as an input and returns the present as a new output, as an ``InferenceSession`` does:
+    the last call holds both; 1 where the cache is updated in place, in ExecuTorch and
+    onnxruntime-genai's shared buffers), one prefill call's ``attention`` scores (ONNX Runtime's
+    ``GroupQueryAttention`` writes heads x chunk x context float32 scores before its softmax:
+    :func:`attention_scratch_bytes`), and the largest call's float32 logits (``logits_rows`` x
+    ``vocab``, ``logits_copies`` times: how many the runtime and its bindings hold at once), and what
+    the runtime itself holds beyond that (``runtime``: :data:`GENAI_LOAD_BYTES` for onnxruntime-genai)."""
+    return {"interpreter": int(interpreter), "runtime": int(runtime), "artifact": int(artifact), "packed": int(packed),
+            "kv_cache": int(kv * kv_copies), "attention": int(attention),
+            "logits": int(4 * (vocab or 0) * logits_rows * logits_copies)}
+
+
+def predicted_peak(interpreter: int, artifact: int, kv: int, **terms) -> int:
+    """The sum of :func:`predicted_parts`."""
+    return sum(predicted_parts(interpreter, artifact, kv, **terms).values())
+
+
+def attention_scratch_bytes(config: Any, chunk_tokens: int | None, context: int, runtime: str) -> int:
+    """What one prefill call's attention holds at once in an ONNX Runtime ``InferenceSession``: its
+    CPU ``GroupQueryAttention`` fills a float32 ``heads x chunk x (past + chunk)`` score buffer for
+    the softmax, largest at the last chunk of a full-context prompt. Measured on SmolLM2 W8A8
+    (9 heads, chunks of 512): the peak beyond the weights and both KV copies grew 31, 48 and 104 MiB
+    at 2048, 4096 and 8192 tokens, against 36, 72 and 144 priced. onnxruntime-genai's calls did not
+    grow with the context at all (the same peak, within 7 MiB, at 2048, 4096 and 8192 tokens of
+    the same model), and ExecuTorch's custom SDPA tiles its scores: 0 for both."""
+    if not chunk_tokens or runtime != "onnxruntime" or config is None:
+        return 0
+    cfg = config if isinstance(config, dict) else _text_config(config)
+    get = cfg.get if isinstance(cfg, dict) else (lambda k: getattr(cfg, k, None))
+    heads = int(get("num_attention_heads") or get("n_head") or 0)
+    return 4 * heads * int(chunk_tokens) * int(context)
 
 
 # ---- measured in a child --------------------------------------------------------------------
@@ -179,10 +215,14 @@ def footprint(artifact: Path, exporter: Any, config: Any, *, artifact_bytes: int
     if fp.peak_rss_bytes is not None and fp.interpreter_rss_bytes is not None:
         fp.model_rss_bytes = max(0, fp.peak_rss_bytes - fp.interpreter_rss_bytes)
         if artifact_bytes is not None and kv is not None:
-            fp.predicted_peak_rss_bytes = predicted_peak(
+            attention = attention_scratch_bytes(config, got.get("chunk_tokens"), n, got.get("runtime") or "")
+            parts = predicted_parts(
                 fp.interpreter_rss_bytes, artifact_bytes, kv, packed=packed_bytes or 0,
                 vocab=got.get("vocab_size") or _vocab(config), logits_rows=got.get("logits_rows") or 1,
-                logits_copies=got.get("logits_copies") or 1, kv_copies=got.get("kv_copies") or 1)
+                logits_copies=got.get("logits_copies") or 1, kv_copies=got.get("kv_copies") or 1, attention=attention,
+                runtime=GENAI_LOAD_BYTES if got.get("runtime") == "onnxruntime-genai" else 0)
+            fp.predicted_parts = parts
+            fp.predicted_peak_rss_bytes = sum(parts.values())
     return fp
 
 
@@ -270,22 +310,24 @@ def _child(argv: list[str] | None = None) -> int:
         peak, source = max(hwm, rss or 0), "VmHWM (reset after the imports)"
     else:
         peak, source = maxrss, "ru_maxrss (the whole child, imports included)"
-    # rows of float32 logits the runtime makes in the largest call: every position of one prefill
-    # call in ONNX Runtime's graph (a chunk of prefill_chunk positions where the export has one, else
-    # the whole prompt); onnxruntime-genai holds about three copies of them (measured on this project's
-    # exports, 3.0x the logits' bytes per prefill token); a .pte's chunk when it returns every position,
-    # else one
-    rows, copies, kv_copies = 1, 1, 1
+    # rows of float32 logits the runtime makes in the largest call: one where the graph computes the
+    # head on the last position only (export/onnxruntime/last_logits.py), else every position of one
+    # prefill call in ONNX Runtime's graph (a chunk of prefill_chunk positions where the export has
+    # one, else the whole prompt), of which onnxruntime-genai holds about three copies (measured on
+    # this project's exports, 3.0x the logits' bytes per prefill token); a .pte's chunk when it
+    # returns every position, else one
+    rows, copies, kv_copies, chunk_tokens = 1, 1, 1, None
     if runner.runtime in ("onnxruntime", "onnxruntime-genai"):
         chunk = getattr(runner, "prefill_chunk", None)
-        rows = min(int(chunk), prefill) if chunk else prefill
-        copies = 3 if runner.runtime == "onnxruntime-genai" else 1
+        chunk_tokens = min(int(chunk), prefill) if chunk else prefill
+        rows = 1 if getattr(runner, "last_logits", False) else chunk_tokens
+        copies = 3 if runner.runtime == "onnxruntime-genai" and rows > 1 else 1
         # an InferenceSession's last call holds the past it was fed and the present it returns
         kv_copies = 2 if runner.runtime == "onnxruntime" else 1
     elif hasattr(runner, "all_positions"):
         rows = min(int(runner.max_chunk), prefill) if runner.all_positions else 1
     out = {"peak_rss_bytes": int(peak), "interpreter_rss_bytes": interpreter, "prefill_tokens": prefill,
-           "logits_rows": rows, "logits_copies": copies, "kv_copies": kv_copies, "vocab_size": int(vocab) if getattr(runner, "vocab_size", None) else None,
+           "logits_rows": rows, "logits_copies": copies, "chunk_tokens": chunk_tokens, "kv_copies": kv_copies, "vocab_size": int(vocab) if getattr(runner, "vocab_size", None) else None,
            "decode_tokens": decode, "max_seq_len": int(n), "peak_source": source, "runtime": runner.runtime,
            "threads": args.threads}
     runner.close()

@@ -91,10 +91,15 @@ def _bytes_per_elem(scheme: str | None, row: int) -> float:
 
 def embedding_stored_apart(details: dict, tied: bool, runtime: str) -> bool:
     """Whether the artifact keeps the embedding table as its own tensor (a lookup, one row read per
-    token) besides what lm_head reads. Untied models always do; a tied pair is shared in ONNX
-    Runtime's fused graph and in ExecuTorch's external model.ptd, and stored twice in a single .pte."""
+    token) besides what lm_head reads. Untied models always do; a tied pair is stored twice in a
+    single .pte and once in ExecuTorch's external model.ptd; in ONNX Runtime's fused graph it is
+    shared (fp32, or a quantized table "shared with lm_head") unless the lookup was quantized apart
+    from a per-token int8 lm_head (``GatherBlockQuantized`` over its own table)."""
     if not tied:
         return True
+    if runtime.startswith("onnxruntime"):
+        emb = str((details.get("quantization") or {}).get("embedding") or "fp32")
+        return "GatherBlockQuantized" in emb and "shared" not in emb
     note = (details.get("weights") or {}).get("tied_embedding") or ""
     if runtime == "executorch" or note:
         return note.startswith("stored twice")
@@ -124,10 +129,13 @@ def weight_bytes_per_token(artifact_bytes: int, config: Any, details: dict, runt
 def packed_copy_bytes(artifact_bytes: int, config: Any, details: dict, runtime: str, tied: bool) -> int:
     """What the runtime holds beside the artifact's bytes once loaded, for the memory model
     (:func:`optimize.footprint.memory.predicted_peak`): XNNPACK packs every delegated weight into its own
-    layout (a .pte's weights read per token, again); ONNX Runtime replaces prepacked initializers but
-    gives a tied fp32 table a transposed copy for lm_head. Measured: within 2% for a .pte (tiny
-    Llama), about 6% for SmolLM2-135M fp32 in ONNX Runtime (docs/devices.md); a table stored once in
-    ExecuTorch's model.ptd counts once more here, as the table stored twice did in the artifact."""
+    layout (a .pte's weights read per token, again); in ONNX Runtime MLAS packs every MatMul's
+    constant weights (``MatMul``, ``MatMulInteger``, ``MatMulNBits``) into its own layout while the
+    artifact's pages stay resident (the weights read per token, again: 127 MiB measured against
+    132 priced for SmolLM2 W8A8), and a tied fp32 table, which lm_head reads transposed, gets one
+    more copy (the tiny test Llama's 12 MiB table: 33 MiB measured at load, 36 priced). A table
+    stored once in ExecuTorch's model.ptd counts once more here, as the table stored twice did in
+    the artifact."""
     if runtime == "executorch":
         packed = weight_bytes_per_token(artifact_bytes, config, details, runtime, tied)
         if tied and ((details.get("weights") or {}).get("tied_embedding") or "").startswith("stored once"):
@@ -135,14 +143,15 @@ def packed_copy_bytes(artifact_bytes: int, config: Any, details: dict, runtime: 
             # copy (measured: the same peak as the single .pte with the table twice, docs/devices.md)
             packed += _table_bytes(config, details)
         return packed
-    if runtime.startswith("onnxruntime") and tied:
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        scheme = (details.get("quantization") or {}).get("embedding") or "fp32"
-        if scheme in ("fp32", "float32", "none"):
-            vocab = int(getattr(cfg, "vocab_size", 0) or 0)
-            hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0)
-            return 4 * vocab * hidden
-    return 0
+    if not runtime.startswith("onnxruntime"):
+        return 0
+    packed = weight_bytes_per_token(artifact_bytes, config, details, runtime, tied)
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if tied and ((details.get("quantization") or {}).get("embedding") or "fp32") in ("fp32", "float32", "none"):
+        vocab = int(getattr(cfg, "vocab_size", 0) or 0)
+        hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0)
+        packed += 4 * vocab * hidden  # lm_head reads the table transposed: a folded copy, then packed
+    return packed
 
 
 # ---- the prediction ---------------------------------------------------------------------------

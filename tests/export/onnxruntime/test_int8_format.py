@@ -117,7 +117,7 @@ def test_genai_runner_warns_on_a_u8s8_directory(tmp_path, monkeypatch):
     from export.onnxruntime import genai_runner
 
     monkeypatch.setattr(fmt, "host_u8s8_saturates", lambda: True)
-    monkeypatch.setattr(genai_runner, "_load_model", lambda d, t: (object(), {"search": {"max_length": 64}}))
+    monkeypatch.setattr(genai_runner, "_load_model", lambda d, t, **_: (object(), {"search": {"max_length": 64}}))
     (tmp_path / "manifest.json").write_text(json.dumps({"quantization": {"int8_format": {"format": "u8s8"}}}))
     with pytest.warns(RuntimeWarning, match="u8s8.*saturating"):
         genai_runner.GenaiRunner(tmp_path)

@@ -13,7 +13,7 @@ from optimize.cli import main
 from optimize.config import load_config
 from optimize.errors import ConfigError
 from optimize.footprint.memory import MemoryFootprint
-from optimize.footprint.predict import device_gates, predict, weight_bytes_per_token
+from optimize.footprint.predict import device_gates, packed_copy_bytes, predict, weight_bytes_per_token
 from device_files import device_file
 from targets.devices import load_device
 
@@ -68,6 +68,26 @@ def test_weights_per_token_leave_out_an_embedding_stored_apart():
                                   "executorch", tied=True) == 3 * table
     assert weight_bytes_per_token(3 * table, _Cfg(), {}, "onnxruntime-genai", tied=True) == 3 * table  # shared
     assert weight_bytes_per_token(3 * table, _Cfg(), {}, "onnxruntime", tied=False) == 2 * table
+    # ONNX Runtime: a lookup quantized over its own table (beside a per-token int8 lm_head) is apart;
+    # one that shares lm_head's packed table is not
+    own = {"quantization": {"embedding": "int8 per row (GatherBlockQuantized)", "matmuls": {"int8 per_token": 11}}}
+    shared = {"quantization": {"embedding": "int4 shared with lm_head (GatherBlockQuantized)", "matmuls": {"x": 1}}}
+    int8_table = 1000 * 64 + 1000 * 4
+    assert weight_bytes_per_token(3 * table, _Cfg(), own, "onnxruntime", tied=True) == 3 * table - int8_table
+    assert weight_bytes_per_token(3 * table, _Cfg(), shared, "onnxruntime-genai", tied=True) == 3 * table
+
+
+def test_onnxruntime_packs_its_matmul_weights_again():
+    """MLAS packs every MatMul's constant weights at load while the artifact's pages stay resident:
+    the weights read per token count once more, and a tied fp32 table once more again (lm_head
+    reads it transposed; docs/devices.md)."""
+    table = 1000 * 64 * 4
+    own = {"quantization": {"embedding": "int8 per row (GatherBlockQuantized)", "matmuls": {"int8 per_token": 11}}}
+    assert packed_copy_bytes(3 * table, _Cfg(), own, "onnxruntime", tied=True) == 3 * table - (1000 * 64 + 1000 * 4)
+    shared = {"quantization": {"embedding": "int4 shared with lm_head (GatherBlockQuantized)"}}
+    assert packed_copy_bytes(3 * table, _Cfg(), shared, "onnxruntime-genai", tied=True) == 3 * table
+    assert packed_copy_bytes(3 * table, _Cfg(), {"quantization": {"embedding": "fp32"}}, "onnxruntime", tied=True) == 4 * table
+    assert packed_copy_bytes(3 * table, _Cfg(), {}, "onnxruntime", tied=False) == 2 * table  # untied: the lookup apart
 
 
 def test_gates_fail_with_the_figures_and_say_predicted(tmp_path):
