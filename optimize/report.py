@@ -213,7 +213,12 @@ def device_lines(report: Report) -> list[str]:
     out += ["", f"Peak RSS: a child process loads the artifact, prefills {m0.prefill_tokens} tokens and decodes "
             f"{m0.decode_tokens} ({m0.peak_source}); the interpreter column is that process after importing "
             "Python, torch and the runtime, before loading. The artifact's RSS (peak minus interpreter) is what "
-            "a device's usable memory is compared with.", ""]
+            "a device's usable memory is compared with."]
+    parts = [(r.name, r.metrics.memory.predicted_parts) for r in rows if r.metrics.memory.predicted_parts]
+    if parts:
+        out += ["", "The prediction's terms, MiB (optimize/footprint/memory.py, `predicted_parts`):"]
+        out += [f"- {name}: " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in p.items() if v) for name, p in parts]
+    out.append("")
     dev = [r for r in rows if r.metrics.device is not None]
     if dev:
         d0 = dev[0].metrics.device

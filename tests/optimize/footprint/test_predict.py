@@ -181,6 +181,9 @@ def test_export_rows_report_memory_and_a_device_that_does_not_fit_fails_with_fig
     assert saved["device_profile"]["name"] == "fake-device"
     md = (tmp_path / "run" / "report.md").read_text()
     assert "## Memory of the exported artifacts (measured on this host)" in md
+    # the prediction's terms, summing to the predicted peak
+    assert sum(mem.predicted_parts.values()) == mem.predicted_peak_rss_bytes and mem.predicted_parts["kv_cache"] > 0
+    assert f"- {row.name}: interpreter " in md and "kv_cache" in md
     assert "## Device `fake-device` (phone): fit and PREDICTED decode" in md and "decode tok/s (predicted)" in md
     assert "Method (predicted, not measured on the device)" in md and "does NOT fit" in md
 
