@@ -110,6 +110,23 @@ def test_gates_fail_with_the_figures_and_say_predicted(tmp_path):
     assert not g.ok and "not measured (boom)" in g.message
 
 
+def test_the_memory_gate_holds_the_larger_of_measured_and_predicted(tmp_path):
+    """The device's runtime build is not this host's: where the memory model predicts more than was
+    measured, the prediction is what must fit (and the message says so); where it predicts less,
+    the measurement decides."""
+    dev = load_device(_fake_device(tmp_path, memory={"total_gib": 1, "usable_gib": 50 / 1024, "usable_basis": "test"}))
+    for predicted_part, fits in ((60 * MIB, False), (30 * MIB, True)):
+        mem = _mem()  # 40 MiB measured over the interpreter
+        mem.predicted_peak_rss_bytes = mem.interpreter_rss_bytes + predicted_part
+        p = predict(dev, memory=mem, host_decode_tok_s=None, host_bandwidth=None, context_tokens=None,
+                    weight_bytes=None, config=None, max_seq_len=None)
+        assert p.predicted_model_rss_bytes == predicted_part and p.fits_memory is fits
+        g = device_gates(p, mem, None)[0]
+        assert g.ok is fits and g.value == max(predicted_part, 40 * MIB)
+        assert f"the memory model predicts {predicted_part / MIB:.1f} MiB" in g.message
+        assert ("the larger" in g.message) is (not fits)
+
+
 # ---- the config and the CLI
 
 def test_device_profile_in_the_config_and_its_errors(tiny_cfg, tmp_path):
