@@ -31,7 +31,7 @@ from export.onnxruntime.dynamo import calibration_windows as _calibration, io_na
 from export.onnxruntime.dynamo import torch_export as _torch_export
 from export.onnxruntime.package import _ship, _versions, check_onnx
 from export.onnxruntime.runner import MANIFEST, OnnxRuntimeRunner, onnx_files
-from export.onnxruntime.options import (DYNAMO_MODEL_TYPES, FUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES,
+from export.onnxruntime.options import (DYNAMO_MODEL_TYPES, FUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES, session_config_entries,
                                         OnnxRuntimeOptions, _options, _resolve_graph)
 from export.runtime import EagerRunner, Runner
 
@@ -214,7 +214,8 @@ class OnnxRuntimeExporter(Exporter):
             "inputs": names_in,
             "outputs": names_out,
             "quantization": quant,
-            "session": {"intra_op_threads": opts.intra_op_threads, "graph_optimization_level": opts.graph_optimization_level},
+            "session": {"intra_op_threads": opts.intra_op_threads, "graph_optimization_level": opts.graph_optimization_level,
+                        "config_entries": session_config_entries(opts)},
             "options": opts.model_dump(),
             "smoke_check": smoke,
             "toolchain": _versions(),

@@ -19,6 +19,7 @@ import torch
 from export.base import ExportError
 from export.onnxruntime.fused import FusedPlan, install, op_counts, plan_model, write_hf_dir
 from export.onnxruntime.genai_builder import BuilderError, build
+from export.onnxruntime.options import session_config_entries
 from export.runtime import greedy_generate
 
 GENAI_CONFIG = "genai_config.json"
@@ -66,6 +67,9 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
         genai["search"]["max_length"] = int(min(max_seq, genai["model"].get("context_length", max_seq)))
     if opts.prefill_chunk:  # onnxruntime-genai's Generator then prefills a long prompt in chunks (an app's too)
         genai["search"]["chunk_size"] = int(opts.prefill_chunk)
+    # what the runners' sessions set, for an app's onnxruntime-genai too (it passes unknown keys on as
+    # ONNX Runtime session config entries)
+    genai["model"]["decoder"].setdefault("session_options", {}).update(session_config_entries(opts))
     (stage / GENAI_CONFIG).write_text(json.dumps(genai, indent=4))
     return {
         "builder": {"onnxruntime_genai": onnxruntime_genai.__version__, "precision": "fp32", "extra_options": extra},

@@ -91,6 +91,10 @@ class OnnxRuntimeRunner(Runner):
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
         }[level]
         so.log_severity_level = 3
+        #: the export's own session config entries (e.g. mlas.disable_kleidiai): what it was verified with
+        self.config_entries = {str(k): str(v) for k, v in (sess_defaults.get("config_entries") or {}).items()}
+        for key, value in self.config_entries.items():
+            so.add_session_config_entry(key, value)
         try:
             self.session = ort.InferenceSession(str(self.path), so, providers=["CPUExecutionProvider"])
         except Exception as exc:
@@ -201,6 +205,7 @@ class OnnxRuntimeRunner(Runner):
             "intra_op_threads": self.threads,
             "inter_op_threads": 1,
             "graph_optimization_level": self.graph_optimization_level,
+            "session_config_entries": self.config_entries,
             "max_seq_len": self.max_seq_len,
             "quantization": self.manifest.get("quantization", {}).get("mode", "unknown"),
         }

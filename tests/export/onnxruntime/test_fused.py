@@ -546,3 +546,25 @@ def test_the_builders_tokenizer_config_does_not_say_how_it_was_loaded(tmp_path):
     drop_load_arguments(path)  # nothing to drop: the file is not rewritten
     assert path.read_bytes() == before
     drop_load_arguments(tmp_path / "absent.json")  # a builder that wrote none: nothing to do
+
+
+@pytest.mark.parametrize("kleidiai", [False, True])
+def test_kleidiai_is_off_unless_asked_in_every_runner(kleidiai, smollm2_tokenizer, tmp_path):
+    """ONNX Runtime's ARM64 build runs MatMulNBits through KleidiAI, which quantizes activations per
+    row, not per block: an int4 export then computes other numbers on Arm than were verified here
+    (docs/devices.md). By default the export says ``mlas.disable_kleidiai`` where every runner reads
+    it: the manifest's session (our InferenceSession runner) and genai_config.json (onnxruntime-genai,
+    an app's too); ``arm64_kleidiai: true`` leaves it out. The x86-64 build loads either."""
+    from export.onnxruntime.options import DISABLE_KLEIDIAI
+
+    model = _family_model("llama")
+    ex = OnnxRuntimeExporter()
+    res = ex.export(model, smollm2_tokenizer, tmp_path, {"arm64_kleidiai": kleidiai, "max_seq_len": 64}, log=_quiet)
+    want = {} if kleidiai else {DISABLE_KLEIDIAI: "1"}
+    assert res.manifest["session"]["config_entries"] == want
+    options = json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["session_options"]
+    assert (options.get(DISABLE_KLEIDIAI) == "1") is not kleidiai
+    runner = ex.load(res.artifact)
+    assert runner.describe()["session_config_entries"] == want
+    genai = ex.load(res.extra_artifacts["genai"])
+    assert greedy_generate(genai, IDS[:6], 4) == greedy_generate(runner, IDS[:6], 4)
