@@ -66,31 +66,28 @@ def _warn_on_saturating_int8(directory: Path) -> None:
     warn_if_saturates(fmt.get("format"), str(directory))
 
 
-def _has_split_head(model_file: Path) -> bool:
-    """Whether the decoder graph returns the last position in ``logits`` and every position in
-    ``all_logits`` on request (:mod:`export.onnxruntime.last_logits`): read from the graph itself,
-    without its weights, so a directory our manifest did not write is judged the same way."""
+def _scoring_graph(model_file: Path) -> bytes | None:
+    """The decoder graph with the split head (:mod:`export.onnxruntime.last_logits`), weights left
+    in their external file, with ``return_all_logits`` a plain input instead of an initializer that
+    defaults to false; None for a graph without the split head (read from the graph itself, so a
+    folder our manifest did not write is judged the same way).
+
+    onnxruntime-genai feeds a model only the inputs its session lists, and an ONNX Runtime session
+    does not list an overridable initializer, so ``Generator.set_model_input`` cannot reach the
+    shipped default; as a plain input it can, and the runner flips it per call. Every other node,
+    weight and default is the shipped graph's: a call that asks for the last position computes
+    what an app computes."""
     import onnx
 
     try:
-        g = onnx.load(str(model_file), load_external_data=False).graph
+        proto = onnx.load(str(model_file), load_external_data=False)
     except Exception:  # not a graph protobuf reads: onnxruntime-genai will say what is wrong
-        return False
-    return split_head_io([i.name for i in g.input], [o.name for o in g.output])
-
-
-def _scoring_graph(model_file: Path) -> bytes:
-    """The decoder graph (weights left in their external file) with ``return_all_logits`` a plain
-    input instead of an initializer that defaults to false. onnxruntime-genai feeds a model only
-    the inputs its session lists, and an ONNX Runtime session does not list an overridable
-    initializer, so ``Generator.set_model_input`` cannot reach the shipped default; as a plain
-    input it can, and the runner flips it per call. Every other node, weight and default is the
-    shipped graph's: a call that asks for the last position computes what an app computes."""
-    import onnx
-
-    proto = onnx.load(str(model_file), load_external_data=False)
-    for t in [t for t in proto.graph.initializer if t.name == ASK]:
-        proto.graph.initializer.remove(t)
+        return None
+    g = proto.graph
+    if not split_head_io([i.name for i in g.input], [o.name for o in g.output]):
+        return None
+    for t in [t for t in g.initializer if t.name == ASK]:
+        g.initializer.remove(t)
     return proto.SerializeToString()
 
 
@@ -112,8 +109,8 @@ class GenaiRunner(Runner):
             decoder = None  # _load_model says what is wrong with the folder
         #: the split head: onnxruntime-genai allocates one row of ``logits`` per call (its pruned
         #: mode), and every position comes from ``all_logits`` when this runner asks for them
-        self.last_logits = bool(decoder) and _has_split_head(self.path / decoder)
-        self._graph = _scoring_graph(self.path / decoder) if self.last_logits else None
+        self._graph = _scoring_graph(self.path / decoder) if decoder else None
+        self.last_logits = self._graph is not None
         self.model, self.config = _load_model(self.path, self.threads, graph=self._graph)
         #: fed to every call by reference (set_model_input keeps the array's buffer): flipped per call
         self._ask = np.array(False)
