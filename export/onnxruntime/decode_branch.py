@@ -39,8 +39,7 @@ class Chain:
 
 def _scoped(nodes: list[onnx.NodeProto], prefix: str) -> list[onnx.NodeProto]:
     """Copies of ``nodes`` whose produced values (and names) carry ``prefix``: a subgraph must
-    not reuse a name of the outer graph. A node's own subgraphs (an ``If`` among ``nodes``) read
-    the renamed values too."""
+    not reuse a name of the outer graph."""
     produced = {o for n in nodes for o in n.output if o}
     out = []
     for n in nodes:
@@ -48,20 +47,8 @@ def _scoped(nodes: list[onnx.NodeProto], prefix: str) -> list[onnx.NodeProto]:
         c.input[:] = [prefix + i if i in produced else i for i in c.input]
         c.output[:] = [prefix + o if o else o for o in c.output]
         c.name = prefix + c.name
-        for a in c.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                _rename_reads(a.g, produced, prefix)
         out.append(c)
     return out
-
-
-def _rename_reads(graph: onnx.GraphProto, names: set[str], prefix: str) -> None:
-    """In ``graph`` and its subgraphs, prefix every read of an outer value in ``names``."""
-    for n in graph.node:
-        n.input[:] = [prefix + i if i in names else i for i in n.input]
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                _rename_reads(a.g, names, prefix)
 
 
 def _branch(graph: onnx.GraphProto, nodes: list[onnx.NodeProto], prefix: str, name: str) -> onnx.GraphProto:

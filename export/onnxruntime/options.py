@@ -48,7 +48,9 @@ class OnnxRuntimeOptions(ExportOptions):
         "DynamicQuantizeMatMul (for one token the same arithmetic as the per-token chain, one op instead of ~18)",
     )
     last_logits: bool = Field(
-        True, description="fused graph: the output logits holds the last fed position only (what generating needs; onnxruntime-genai then allocates one row per call), and every position goes to all_logits only when the input return_all_logits is true (scoring); false: logits holds every position, as the builder writes it",
+        True, description="fused graph: the output logits holds the last fed position only (what generating "
+        "needs; onnxruntime-genai then allocates one row per call), and every position goes to all_logits only when "
+        "the input return_all_logits is true (scoring); false: logits holds every position, as the builder writes it",
     )
     opset: int = Field(18, ge=18, le=23, description="ONNX opset of the dynamo graph (18..23)")
     external_data: Literal["auto", "always", "never"] = Field(

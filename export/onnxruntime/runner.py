@@ -105,6 +105,7 @@ class OnnxRuntimeRunner(Runner):
             raise RunnerError(f"{self.path} is not a KV-cache LM export: missing inputs {sorted(missing)}")
         self._position_ids = "position_ids" in inputs
         self._past_names = [n for n in inputs if n.startswith("past_key_values.")]
+        self._present_names = ["present." + n[len("past_key_values."):] for n in self._past_names]
         hint = _layout_hint(self.path, manifest)
         dims = {n: _past_dims(n, inputs[n].shape, hint) for n in self._past_names}
         if any(not isinstance(v, int) for hd in dims.values() for v in hd):
@@ -143,9 +144,8 @@ class OnnxRuntimeRunner(Runner):
         if self._position_ids:
             feeds["position_ids"] = np.arange(self._pos, self._pos + t, dtype=np.int64).reshape(1, t)
         head = self._head(feeds, all_logits)
-        presents = ["present." + n[len("past_key_values."):] for n in self._past_names]
         try:
-            outs = self.session.run([head, *presents], feeds)
+            outs = self.session.run([head, *self._present_names], feeds)
         except Exception as exc:
             raise RunnerError(f"ONNX Runtime failed running {self.path}: {type(exc).__name__}: {exc}") from None
         self._past = dict(zip(self._past_names, outs[1:]))

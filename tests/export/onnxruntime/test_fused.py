@@ -470,6 +470,8 @@ def test_dynamo_node_names_refused_on_the_fused_graph():
     ({"graph": "fused", "external_data": "never"}, "external_data: never is not possible on the fused graph"),
     ({"graph": "dynamo", "accuracy_level": 1, "decode_branch": False},
      "accuracy_level, decode_branch apply only to the fused graph, and this export builds the dynamo one"),
+    ({"graph": "dynamo", "last_logits": False},
+     "last_logits applies only to the fused graph, and this export builds the dynamo one"),
 ])
 def test_options_of_the_other_graph_are_refused_not_ignored(opts, needle):
     from transformers import LlamaConfig
@@ -490,6 +492,8 @@ def test_quantized_model_on_the_dynamo_graph_is_refused(tmp_path):
     ({"graph": "onnx"}, "'auto', 'fused' or 'dynamo'"),
     ({"accuracy_level": 2}, "Input should be 1 or 4"),
     ({"int8_kernel": "integer"}, "'per_token' or 'nbits'"),
+    ({"last_logits": "sometimes"}, "last_logits\n  Input should be a valid boolean"),
+    ({"arm64_kleidiai": "fast"}, "arm64_kleidiai\n  Input should be a valid boolean"),
 ])
 def test_bad_fused_options(opts, needle):
     with pytest.raises(ValidationError, match=needle):
