@@ -174,7 +174,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     from export.executorch.fusion import fuse_projections
     from export.executorch.llm import ExecuTorchDecoder, _text_config, plan_layers
     from export.executorch.xnnpack_boundaries import count_residual_adds
-    from export.executorch.lowering_cost import applicable_passes_only, without_provenance
+    from export.executorch.lowering_cost import (applicable_passes_only, in_place_legalize,
+                                                  no_op_decompositions_skipped, without_provenance)
     from export.executorch.xnnpack_slices import dynamic_slices, partitioner_configs
 
     config = getattr(model, "config", None)
@@ -227,11 +228,13 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     log("executorch: lowering to XNNPACK (minutes for a full-size model)")
     t0 = time.perf_counter()
     skipped: dict[str, int] = {}
+    decompositions_skipped: list[int] = []
     try:
         # a fused projection's split stays inside XNNPACK under a dynamic length; each delegate runs
         # only the XNNPACK passes that can apply to it, and no pass copies provenance histories
         # (export/executorch/lowering_cost.py: the same program, about a quarter less time)
-        with dynamic_slices(), applicable_passes_only(skipped), without_provenance():
+        with dynamic_slices(), applicable_passes_only(skipped), without_provenance(), in_place_legalize(), \
+                no_op_decompositions_skipped(decompositions_skipped):
             edge = to_edge_transform_and_lower(
                 programs if scoring else ep,
                 partitioner=[XnnpackPartitioner(configs=partitioner_configs(hidden))],
@@ -265,6 +268,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "fused_projections": fusion, "merged_linears": merged,
                            "residual_boundaries": boundaries, "head_transposes_removed": transposes,
                            "joint_rope_layers": joint_rope, "xnnpack_passes_skipped": skipped,
+                           "decompositions_skipped": len(decompositions_skipped),
                            "prefill_chunk": chunk, "sliding_windows": plan.windows, "dense_experts": len(experts),
                            "ring_layers": sum(p.ring for p in plan.layers)},
                "quantization": {"linear": mix, "embedding": emb_scheme, **decided,

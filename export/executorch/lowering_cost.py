@@ -13,7 +13,9 @@ lowers several families both ways and compares the bytes):
   A pass is dropped from a delegate's list when the delegate's graph lacks every operator the pass
   acts on; for a pass that rewrites a pattern, when the graph lacks one of the pattern's operators
   (a necessary condition for a match). What a pass would change, it still changes. Lowering:
-  142 s -> 114 s.
+  142 s -> 114 s. Six more passes act on operators (or metadata) a decoder's delegate seldom
+  holds: activation fusion (ReLU/hardtanh), [add]mm to linear, dtype copies, cats of more than
+  five inputs, dim-order ops and external-weight tags.
 - **Provenance copies** (:func:`without_provenance`). Every re-trace records, on each new node,
   the node it came from with a deep copy of that node's own history (``torch.fx.traceback.NodeSource``),
   so the copies grow with every pass: about 10 s of the lowering. Of that history ExecuTorch reads
@@ -25,9 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Iterator
 
 import torch
+
+#: stands, among a graph's operator names, for "some node carries ``meta["custom"]``"
+CUSTOM_META = "meta:custom"
 
 #: pass class name -> the operators it acts on (``__name__`` of their edge op); absent: always run
 _OPERATORS: dict[str, frozenset[str]] = {
@@ -39,11 +45,32 @@ _OPERATORS: dict[str, frozenset[str]] = {
     "PReLUReshapePass": frozenset({"aten._prelu_kernel.default"}),
     "InsertPadQDQPass": frozenset({"aten.constant_pad_nd.default"}),
     "RemoveGetItemPass": frozenset({"aten.max_pool2d_with_indices.default", "aten.max.dim"}),
+    # fuses a ReLU/hardtanh into the operator before it
+    "FuseActivationPass": frozenset({"aten.relu.default", "aten.hardtanh.default"}),
+    # turns a Linear's [add]mm back into linear (a decoder's Linears reach XNNPACK as linear already)
+    "ConvertToLinearPass": frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}),
+    "RemoveRedundantCopyPass": frozenset({"aten._to_copy.default"}),
+    # splits a cat of more than five inputs
+    "DecomposeConcatenate": frozenset({"aten.cat.default"}),
+    # the dim-order ops back to memory-format ops (a program lowered with _skip_dim_order has none)
+    "DimOrderOpsRevertPass": frozenset({"dim_order_ops._to_dim_order_copy.default",
+                                        "dim_order_ops._empty_dim_order.default",
+                                        "dim_order_ops._clone_dim_order.default"}),
+    # copies node.meta["custom"] (external-weight tags) onto the quantize/dequantize nodes after it
+    "PropagateCustomMetaPass": frozenset({CUSTOM_META}),
 }
 
 
 def _op_names(graph: torch.fx.Graph) -> set[str]:
     return {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
+
+
+def _features(graph: torch.fx.Graph) -> set[str]:
+    """The graph's operator names, and :data:`CUSTOM_META` where a node carries custom metadata."""
+    present = _op_names(graph)
+    if any("custom" in n.meta for n in graph.nodes):
+        present.add(CUSTOM_META)
+    return present
 
 
 @functools.cache
@@ -79,7 +106,7 @@ def applicable_passes_only(skipped: dict[str, int] | None = None) -> Iterator[No
         stock(self, exported_program, passes)
         if passes:  # a caller's own list (the dynamically quantized linear partitioner) runs as asked
             return
-        present = _op_names(exported_program.graph)
+        present = _features(exported_program.graph)
         kept = [p for p in self.passes if may_apply(p.__name__, present)]
         if skipped is not None:
             for p in self.passes:
@@ -92,6 +119,108 @@ def applicable_passes_only(skipped: dict[str, int] | None = None) -> Iterator[No
         yield
     finally:
         XNNPACKPassManager.__init__ = stock
+
+
+def _prioritized_ops() -> tuple:
+    """The operators ``torch.fx.passes.tools_common.legalize_graph`` puts first when they become ready."""
+    import operator
+
+    aten = torch.ops.aten
+    return (operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod,
+            operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne,
+            aten.sym_constrain_range.default, aten.sym_constrain_range_for_size.default, aten._assert_async.msg,
+            aten.scalar_tensor.default, aten._assert_scalar.default)
+
+
+def legalize_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``legalize_graph``'s topological order (the same queue, the same tie-breaking), reached by
+    moving the graph's own nodes instead of copying every node into a new graph."""
+    import collections
+
+    prioritized = set(_prioritized_ops())
+    nodes = list(gm.graph.nodes)
+    indeg = dict.fromkeys(nodes, 0)
+    for node in nodes:
+        for user in node.users:
+            indeg[user] += 1
+    queue = collections.deque(n for n in nodes if indeg[n] == 0)
+    order = []
+    while queue:
+        cur = queue.popleft()
+        order.append(cur)
+        for user in cur.users:
+            indeg[user] -= 1
+            if indeg[user] == 0:
+                if user.op == "call_function" and user.target in prioritized:
+                    queue.appendleft(user)
+                else:
+                    queue.append(user)
+    if len(order) < len(nodes):
+        raise RuntimeError(f"Input graph has cycles, unable to add {[n for n in indeg if indeg[n] != 0]}")
+    if order != nodes:
+        root = gm.graph._root
+        for node in order:  # each to the end, in order
+            root.prepend(node)
+    gm.recompile()
+    return gm
+
+
+@contextlib.contextmanager
+def in_place_legalize() -> Iterator[None]:
+    """While lowering, each new delegate's call is put in topological order by moving nodes.
+
+    ExecuTorch cuts each delegate out of the whole graph and then calls ``legalize_graph`` on it,
+    which copies every node of the graph into a new one: once per delegate (93 for SmolLM2), about
+    10 s of the lowering. :func:`legalize_in_place` reaches the same order without the copies."""
+    from executorch.exir import lowered_backend_module
+
+    stock = lowered_backend_module.legalize_graph
+    lowered_backend_module.legalize_graph = legalize_in_place
+    try:
+        yield
+    finally:
+        lowered_backend_module.legalize_graph = stock
+
+
+def _self_decomposing() -> frozenset:
+    """Table entries whose decomposition traces back to the operator itself (``sym_size.int`` is
+    CompositeImplicitAutograd: its kernel asks the tensor for its size, which records the same op)."""
+    return frozenset({torch.ops.aten.sym_size.int})
+
+
+@contextlib.contextmanager
+def no_op_decompositions_skipped(skipped: list[int] | None = None) -> Iterator[None]:
+    """While lowering, a decomposition of a program that earlier decompositions already made
+    functional returns that program when the table holds none of its operators.
+
+    ExecuTorch decomposes a program three times before partitioning (functionalize; the table
+    less what the partitioner keeps; the whole table once the kept operators are set aside), and
+    every pass re-traces the whole graph with fake tensors. On a decoder the third finds nothing
+    left to decompose: about 14 s of SmolLM2's lowering. The first call (which functionalizes)
+    always runs, and so does any call that meets an operator of its table. ``skipped`` (if given)
+    gets one entry (the graph's node count) per skipped call."""
+    from torch.export import ExportedProgram
+
+    stock = ExportedProgram.run_decompositions
+    functional: weakref.WeakSet = weakref.WeakSet()  # programs a decomposition returned
+    ignore = _self_decomposing()
+
+    def run_decompositions(self, decomp_table=None, *args, **kwargs):
+        if decomp_table and self in functional:
+            targets = {n.target for n in self.graph.nodes if n.op == "call_function"}
+            if not (targets & set(decomp_table)) - ignore:
+                if skipped is not None:
+                    skipped.append(len(self.graph.nodes))
+                return self
+        out = stock(self, decomp_table, *args, **kwargs)
+        functional.add(out)
+        return out
+
+    ExportedProgram.run_decompositions = run_decompositions
+    try:
+        yield
+    finally:
+        ExportedProgram.run_decompositions = stock
 
 
 @contextlib.contextmanager

@@ -13,6 +13,12 @@ paths (``tests/optimize/quant/test_gptq_host.py`` on a tiny model). Over a whole
 meet one rounding decision the remaining difference flips, and its error feedback carries that flip
 on (docs/executorch.md, "GPTQ depends on the host"): fewer host differences, not none.
 
+The Linears' products stay float32 (:func:`linears_in`): BLAS computes them alike under every ATen
+path, the activations they read are float64 values rounded once, and in float64 they were most of
+the stage's time. Over SmolLM2's demo recipe (AWQ + 32-window GPTQ) the eager perplexity after GPTQ
+spread 0.044 across ``default``/``avx2``/``avx512`` with float32 products, 0.100 with float64 ones
+(docs/executorch.md).
+
 ``calibration_dtype: auto`` does that on the CPU for models whose float64 copy takes at most
 :data:`FLOAT64_AUTO_BYTES`; a larger model, or a GPU, calibrates in the model's own dtype (on a GPU
 float64 is slow and the question is another one), and the stage's details say which it used.
@@ -35,7 +41,8 @@ DESCRIPTION = (
     "dtype of the calibration forward: float64 makes the result depend far less on the CPU (in fp32 the host's "
     "vector paths change the rounding decisions: 19% of SmolLM2's first six blocks' int4 GPTQ weights differed "
     "between ATEN_CPU_CAPABILITY=default and avx512; none in float64; AWQ's whole stage agrees bit for bit), "
-    "for about 1.3x the stage's time; model keeps "
+    "with the Linears' products kept in float32 (BLAS computes them alike on every path; SmolLM2's GPTQ stage "
+    "took 106 s instead of 140 s with float64 products); model keeps "
     "the model's dtype; auto: float64 on the CPU when the model in float64 takes at most 4 GiB (512M "
     "parameters), else the model's dtype"
 )
@@ -86,3 +93,50 @@ def computing_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[str]:
         yield str(dtype).removeprefix("torch.")
     finally:
         model.to(home)
+
+
+@contextlib.contextmanager
+def linears_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[int]:
+    """Every ``nn.Linear`` of ``model`` multiplies in ``dtype`` inside the block: its input and
+    weights are rounded to ``dtype``, the product is handed back in the input's dtype.
+
+    Why (GPTQ's float64 calibration): the block forwards' matrix products are most of the stage's
+    time, and in float64 they take twice as long as in float32. What makes the fp32 forward depend
+    on ``ATEN_CPU_CAPABILITY`` is ATen's own vectorized reductions and transcendental functions
+    (norms, softmax, SiLU), not the matrix product, which BLAS computes the same way under every
+    ATen path. So the norms, attention and activations stay in float64 and only the products go
+    back to the model's own float32: the weights are float32 values already (the cast is exact),
+    and the float64 activations round to the same float32 value on every path except where a
+    last-bit difference straddles a rounding boundary (about 3e-9 of the elements). Yields the
+    number of Linears switched (0 when ``dtype`` is None)."""
+    if dtype is None:
+        yield 0
+        return
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight) is nn.Parameter]
+
+    def in_dtype(lin: nn.Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            bias = None if lin.bias is None else lin.bias.to(dtype)
+            return nn.functional.linear(x.to(dtype), lin.weight.to(dtype), bias).to(x.dtype)
+        return forward
+
+    saved = [lin.__dict__.get("forward") for lin in linears]
+    for lin in linears:
+        lin.forward = in_dtype(lin)
+    try:
+        yield len(linears)
+    finally:
+        for lin, old in zip(linears, saved):
+            if old is None:
+                lin.__dict__.pop("forward", None)
+            else:
+                lin.forward = old
+
+
+@contextlib.contextmanager
+def calibrating_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[str]:
+    """:func:`computing_in`, with the Linears' products in float32 where it casts a float32 (or
+    narrower) model to float64 (:func:`linears_in`). Yields the dtype's name for the report."""
+    products = torch.float32 if dtype == torch.float64 and casts(model, dtype) else None
+    with computing_in(model, dtype) as name, linears_in(model, products):
+        yield name

@@ -21,7 +21,7 @@ from optimize.module_select import select_modules, unmatched_patterns
 from optimize.quant.awq import awq_scale
 from optimize.quant.equalize import fold_groups
 from optimize.quant.fakequant import scheme_for
-from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE, CalibrationDtype, computing_in, resolve
+from optimize.quant.host_independent import DESCRIPTION as CALIBRATION_DTYPE, CalibrationDtype, calibrating_in, resolve
 from optimize.rewrites.exactness import ExactnessConfig, ExactnessProbe, probe_windows
 from optimize.stage_api import StageConfig, StageContext, register_stage
 from optimize.stages._preflight import fold_problems, split_experts, with_meta_model
@@ -112,7 +112,7 @@ def awq(model: nn.Module, cfg: AwqConfig, ctx: StageContext) -> nn.Module:
     was_training = model.training
     model.eval()
     probe = ExactnessProbe.before(model, probe_windows(ctx.calibration, cfg.exactness), cfg.exactness)
-    with computing_in(model, resolve(model, cfg.calibration_dtype, ctx.device)) as calib_dtype:
+    with calibrating_in(model, resolve(model, cfg.calibration_dtype, ctx.device)) as calib_dtype:
         res = awq_scale(model, windows, scheme_for(cfg.scheme, cfg.group_size, _ALGO[cfg.weight_qparams]),
                         folds=tuple(cfg.folds), rows=cfg.rows, grid=grid, skip=frozenset(skip_sel))
     exact = probe.after(model, f"awq (folds {', '.join(cfg.folds)})")

@@ -34,6 +34,8 @@ def _stock_lowering(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(lowering_cost, "applicable_passes_only", nothing)
         m.setattr(lowering_cost, "without_provenance", nothing)
+        m.setattr(lowering_cost, "in_place_legalize", nothing)
+        m.setattr(lowering_cost, "no_op_decompositions_skipped", nothing)
         yield
 
 
@@ -57,16 +59,20 @@ def test_an_llm_lowers_to_the_same_bytes_with_fewer_passes(family, tiny_config, 
     skipped = details["llm_ops"]["xnnpack_passes_skipped"]
     # the decoder holds none of these operators: every delegate skips them
     for name in ("FuseBatchNormPass", "DecomposeBatchNorm", "Conv1dUnsqueezePass", "PReLUReshapePass",
-                 "InsertPadQDQPass", "RemoveGetItemPass", "ConvertToSDPAPass", "ConvertToUpsampleBilinear2d"):
-        assert skipped.get(name, 0) >= 1, (name, skipped)
-    # a decoder's every delegate skips each of them, and XNNPACK's preprocess met each delegate once
-    assert set(skipped.values()) == {details["delegation"]["delegated_subgraphs"]}, skipped
+                 "InsertPadQDQPass", "RemoveGetItemPass", "ConvertToSDPAPass", "ConvertToUpsampleBilinear2d",
+                 "FuseActivationPass", "PropagateCustomMetaPass", "DimOrderOpsRevertPass"):
+        # a decoder's every delegate skips each of them (XNNPACK's preprocess met each delegate once)
+        assert skipped.get(name, 0) == details["delegation"]["delegated_subgraphs"], (name, skipped)
+    assert max(skipped.values()) == details["delegation"]["delegated_subgraphs"], skipped
     assert stock_details["llm_ops"]["xnnpack_passes_skipped"] == {}  # the stock run skipped nothing
+    # the third decomposition (after the partitioner set its operators aside) found nothing to do
+    assert details["llm_ops"]["decompositions_skipped"] == 1
+    assert stock_details["llm_ops"]["decompositions_skipped"] == 0
 
 
 class _Vision(nn.Module):
     """Operators some of the skippable passes act on: padding, convolution (1-D and 2-D), batch
-    norm; and PReLU and max-pooling, which reach XNNPACK as ``prelu``/``max_pool2d`` (not the
+    norm, a ReLU after a convolution, a cat of six inputs; and PReLU and max-pooling, which reach XNNPACK as ``prelu``/``max_pool2d`` (not the
     ``_prelu_kernel``/``max_pool2d_with_indices`` those two passes rewrite), so they are skipped."""
 
     def __init__(self):
@@ -80,8 +86,8 @@ class _Vision(nn.Module):
     def forward(self, x):
         y = self.conv1d(x.flatten(2)).view_as(x)
         y = nn.functional.pad(y, (1, 1, 1, 1))
-        y = self.pool(self.prelu(self.bn(self.conv(y))))
-        return y
+        y = self.pool(self.prelu(torch.relu(self.bn(self.conv(y)))))
+        return torch.cat([y, y * 2, y + 1, y - 1, y * 3, y * 0.5], dim=1)
 
 
 def _lower_vision(model) -> tuple[bytes, dict]:
@@ -90,7 +96,8 @@ def _lower_vision(model) -> tuple[bytes, dict]:
 
     ep = torch.export.export(model, (torch.randn(1, 4, 8, 8),), strict=True)
     skipped: dict[str, int] = {}
-    with lowering_cost.applicable_passes_only(skipped), lowering_cost.without_provenance():
+    with lowering_cost.applicable_passes_only(skipped), lowering_cost.without_provenance(), \
+            lowering_cost.in_place_legalize(), lowering_cost.no_op_decompositions_skipped():
         edge = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])
     return edge.to_executorch().buffer, skipped
 
@@ -111,7 +118,8 @@ def test_passes_whose_operators_are_present_still_run():
     # what these graphs hold is not skipped; what they lack (SDPA, upsampling) is
     assert "ConvertToSDPAPass" in skipped and "ConvertToUpsampleBilinear2d" in skipped
     delegates = skipped["ConvertToSDPAPass"]  # no delegate holds an SDPA: each skipped it
-    for name in ("Conv1dUnsqueezePass", "FuseBatchNormPass", "DecomposeBatchNorm", "InsertPadQDQPass"):
+    for name in ("Conv1dUnsqueezePass", "FuseBatchNormPass", "DecomposeBatchNorm", "InsertPadQDQPass",
+                 "FuseActivationPass", "DecomposeConcatenate"):
         assert skipped.get(name, 0) < delegates, (name, skipped)  # some delegate ran it
 
 
@@ -124,8 +132,19 @@ def test_passes_whose_operators_are_present_still_run():
     ("InsertPadQDQPass", {"aten.constant_pad_nd.default"}, True),
     ("RemoveGetItemPass", {"aten.max.dim"}, True),
     ("RemoveGetItemPass", {"aten.amax.default"}, False),
-    ("ConvertToLinearPass", set(), True),  # a pass without a rule always runs
-    ("FuseActivationPass", set(), True),
+    ("FuseActivationPass", {"aten.relu.default"}, True),
+    ("FuseActivationPass", {"aten.silu.default", "aten.linear.default"}, False),
+    ("ConvertToLinearPass", {"aten.addmm.default"}, True),
+    ("ConvertToLinearPass", {"aten.linear.default"}, False),
+    ("RemoveRedundantCopyPass", {"aten._to_copy.default"}, True),
+    ("DecomposeConcatenate", {"aten.cat.default"}, True),
+    ("DecomposeConcatenate", {"aten.add.Tensor"}, False),
+    ("PropagateCustomMetaPass", {lowering_cost.CUSTOM_META}, True),
+    ("PropagateCustomMetaPass", {"aten.linear.default"}, False),
+    ("DimOrderOpsRevertPass", {"dim_order_ops._clone_dim_order.default"}, True),
+    ("DimOrderOpsRevertPass", {"aten.clone.default"}, False),
+    ("ChannelsLastTaggedReshapePass", set(), True),  # a pass without a rule always runs
+    ("ConstPropPass", set(), True),
 ])
 def test_a_pass_is_skipped_only_without_its_operators(name, present, applies):
     assert lowering_cost.may_apply(name, present) is applies
@@ -151,3 +170,51 @@ def test_the_stock_functions_come_back_even_after_an_error():
             raise RuntimeError("lowering failed")
     assert XNNPACKPassManager.__init__ is pass_init
     assert fx_traceback.NodeSource.__init__ is source_init
+
+
+def _scrambled():
+    """A traced graph whose last two computing nodes were moved to the front (not topological)."""
+    def f(x, y):
+        a = torch.relu(x)
+        b = a + 1  # operator.add: one of legalize_graph's prioritized operators
+        c = torch.sigmoid(y) * b
+        d = torch.cat([c, a, b])
+        return d.sum() + b.mean()
+
+    gm = torch.fx.symbolic_trace(f)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    first = next(iter(gm.graph.nodes))
+    for n in nodes[-2:]:
+        first.append(n)  # right after the first placeholder
+    return gm
+
+
+def test_legalize_in_place_reaches_legalize_graphs_order_without_copying():
+    from torch.fx.passes.tools_common import legalize_graph
+
+    want = [n.name for n in legalize_graph(_scrambled()).graph.nodes]
+    gm = _scrambled()
+    before = set(gm.graph.nodes)
+    assert [n.name for n in gm.graph.nodes] != want  # scrambled: there is something to sort
+    lowering_cost.legalize_in_place(gm)
+    assert [n.name for n in gm.graph.nodes] == want
+    assert set(gm.graph.nodes) == before  # the same node objects, moved
+    gm.graph.lint()
+    x, y = torch.randn(3), torch.randn(3)
+    assert torch.allclose(gm(x, y), _reference(x, y))
+
+
+def _reference(x, y):
+    a = torch.relu(x)
+    b = a + 1
+    c = torch.sigmoid(y) * b
+    return torch.cat([c, a, b]).sum() + b.mean()
+
+
+def test_legalize_in_place_refuses_a_cycle():
+    gm = _scrambled()
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    last = gm.graph.output_node().args[0]
+    relu.args = (last,)  # relu now reads the graph's last computation, which reads relu
+    with pytest.raises(RuntimeError, match="cycles"):
+        lowering_cost.legalize_in_place(gm)
