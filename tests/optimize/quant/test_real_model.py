@@ -45,20 +45,24 @@ def test_smoothquant_exact_and_awq_helps_on_smollm2(smollm2_loaded, pydoc_splits
     assert kl_awq < kl_rtn
 
 
-@pytest.mark.minutes(1.1)
+@pytest.mark.minutes(1.5)
 def test_gptq_stage_beats_round_to_nearest_on_smollm2(smollm2_loaded, pydoc_splits, tmp_path):
     """The ptq_int8 stage with algorithm gptq (the torchao tensors it installs, in eager) against
     round-to-nearest, on evaluation text GPTQ never saw. The first ten blocks are quantized, the
     rest and the output head kept fp32: GPTQ's per-layer solves, not its calibration, are most of
     this test's time at four windows, and the 49152-row head was a third of them. The whole model:
-    the smollm2 examples' gates (tests/test_examples.py) and bench/accuracy.py."""
+    the smollm2 examples' gates (tests/test_examples.py) and bench/accuracy.py.
+
+    Scored on the reference text's eight windows, not one: per window GPTQ kept 4% to 46% of
+    round-to-nearest's loss (float64 products) or -4% to 56% (float32 products, the same output
+    error reduction), so one window's figure is a draw; over the eight it kept 25% and 20%."""
     from optimize.checks.accuracy import evaluate
     from optimize.stage_api import StageContext, get_stage
     from optimize.stages.ptq_int8 import Ptq8Config
     from export.runtime import EagerRunner
 
     calib = [pydoc_splits.calib_ids[i : i + 512] for i in (0, 512, 1024, 1536)]
-    window = [pydoc_splits.eval_ids[:513]]
+    window = [pydoc_splits.eval_ids[i : i + 513] for i in range(0, 8 * 512, 512)]
     ppl = {"fp32": evaluate(EagerRunner(smollm2_loaded.model), window).perplexity}
     for algo in ("rtn", "gptq"):
         ctx = StageContext(tokenizer=None, calibration=calib, train_ids=torch.zeros(0, dtype=torch.long),
