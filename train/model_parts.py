@@ -1,4 +1,5 @@
-"""Where the parts of a causal LM are: its repeated decoder blocks, and a weightless copy.
+"""Where the parts of a causal LM are: its repeated decoder blocks, and a weightless copy; and
+modules run with another forward for a while (:func:`forwards_replaced`).
 
 One lookup for the decoder blocks, shared by activation checkpointing and FSDP (``train``),
 GPTQ's block-by-block pass, the equalization folds, sensitivity groups and the GQA rewrite
@@ -7,8 +8,9 @@ GPTQ's block-by-block pass, the equalization folds, sensitivity groups and the G
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -74,3 +76,22 @@ def meta_model(config: Any) -> nn.Module:
             return AutoModelForCausalLM.from_config(config)
     finally:
         hf_logging.set_verbosity(prev)
+
+
+@contextlib.contextmanager
+def forwards_replaced(mods: list[nn.Module], make: Callable[[int, nn.Module], Callable]) -> Iterator[None]:
+    """Inside the block module ``i`` of ``mods`` runs ``make(i, mod)`` as its forward (its hooks
+    still run: they live in ``__call__``); on any exit its own instance forward (a wrapper's) or
+    its class's forward is back. GPTQ's block chain passes blocks through with it, and the
+    float64 calibration gives Linears float32 products."""
+    saved = [mod.__dict__.get("forward") for mod in mods]  # a wrapper's own forward, if any
+    for i, mod in enumerate(mods):
+        mod.forward = make(i, mod)
+    try:
+        yield
+    finally:
+        for mod, old in zip(mods, saved):
+            if old is None:
+                mod.__dict__.pop("forward", None)  # the class's forward is back
+            else:
+                mod.forward = old

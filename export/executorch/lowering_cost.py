@@ -61,6 +61,17 @@ _OPERATORS: dict[str, frozenset[str]] = {
 }
 
 
+@contextlib.contextmanager
+def _replaced(owner, name: str, value) -> Iterator[None]:
+    """``owner.name`` is ``value`` inside the block and what it was before on any exit."""
+    stock = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, stock)
+
+
 def _op_names(graph: torch.fx.Graph) -> set[str]:
     return {getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"}
 
@@ -114,22 +125,20 @@ def applicable_passes_only(skipped: dict[str, int] | None = None) -> Iterator[No
                     skipped[p.__name__] = skipped.get(p.__name__, 0) + 1
         self.passes = kept
 
-    XNNPACKPassManager.__init__ = init
-    try:
+    with _replaced(XNNPACKPassManager, "__init__", init):
         yield
-    finally:
-        XNNPACKPassManager.__init__ = stock
 
 
-def _prioritized_ops() -> tuple:
+@functools.cache
+def _prioritized_ops() -> frozenset:
     """The operators ``torch.fx.passes.tools_common.legalize_graph`` puts first when they become ready."""
     import operator
 
     aten = torch.ops.aten
-    return (operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod,
-            operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne,
-            aten.sym_constrain_range.default, aten.sym_constrain_range_for_size.default, aten._assert_async.msg,
-            aten.scalar_tensor.default, aten._assert_scalar.default)
+    return frozenset((operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod,
+                      operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne,
+                      aten.sym_constrain_range.default, aten.sym_constrain_range_for_size.default,
+                      aten._assert_async.msg, aten.scalar_tensor.default, aten._assert_scalar.default))
 
 
 def legalize_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -137,7 +146,7 @@ def legalize_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     moving the graph's own nodes instead of copying every node into a new graph."""
     import collections
 
-    prioritized = set(_prioritized_ops())
+    prioritized = _prioritized_ops()
     nodes = list(gm.graph.nodes)
     indeg = dict.fromkeys(nodes, 0)
     for node in nodes:
@@ -174,12 +183,8 @@ def in_place_legalize() -> Iterator[None]:
     10 s of the lowering. :func:`legalize_in_place` reaches the same order without the copies."""
     from executorch.exir import lowered_backend_module
 
-    stock = lowered_backend_module.legalize_graph
-    lowered_backend_module.legalize_graph = legalize_in_place
-    try:
+    with _replaced(lowered_backend_module, "legalize_graph", legalize_in_place):
         yield
-    finally:
-        lowered_backend_module.legalize_graph = stock
 
 
 def _self_decomposing() -> frozenset:
@@ -216,11 +221,8 @@ def no_op_decompositions_skipped(skipped: list[int] | None = None) -> Iterator[N
         functional.add(out)
         return out
 
-    ExportedProgram.run_decompositions = run_decompositions
-    try:
+    with _replaced(ExportedProgram, "run_decompositions", run_decompositions):
         yield
-    finally:
-        ExportedProgram.run_decompositions = stock
 
 
 @contextlib.contextmanager
@@ -248,8 +250,5 @@ def without_provenance() -> Iterator[None]:
         finally:
             node.meta["from_node"] = history
 
-    fx_traceback.NodeSource.__init__ = init
-    try:
+    with _replaced(fx_traceback.NodeSource, "__init__", init):
         yield
-    finally:
-        fx_traceback.NodeSource.__init__ = stock

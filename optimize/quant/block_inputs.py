@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from optimize.device import to_device
+from train.model_parts import forwards_replaced
 
 
 class _NotRecordable(Exception):
@@ -159,17 +160,8 @@ class BlockChain:
                 return self._shaped(i, last.to(hidden.device) if last is not None and i == final else hidden)
             return forward
 
-        saved = [mod.__dict__.get("forward") for mod in self.mods]  # a wrapper's own forward, if any
-        for i, mod in enumerate(self.mods):
-            mod.forward = pass_through(i)
-        try:
+        with forwards_replaced(self.mods, lambda i, _mod: pass_through(i)):
             yield
-        finally:
-            for mod, old in zip(self.mods, saved):
-                if old is None:
-                    mod.__dict__.pop("forward", None)  # the class's forward is back
-                else:
-                    mod.forward = old
 
     def _shaped(self, i: int, hidden: torch.Tensor):
         """``hidden`` in the form block ``i`` returns its output (recorded on window 0)."""

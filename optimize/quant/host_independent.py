@@ -32,6 +32,8 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 
+from train.model_parts import forwards_replaced
+
 CalibrationDtype = Literal["auto", "float64", "model"]
 
 #: ``auto`` casts to float64 only while the float64 model takes at most this much memory (512M parameters)
@@ -120,17 +122,8 @@ def linears_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[int]:
             return nn.functional.linear(x.to(dtype), lin.weight.to(dtype), bias).to(x.dtype)
         return forward
 
-    saved = [lin.__dict__.get("forward") for lin in linears]
-    for lin in linears:
-        lin.forward = in_dtype(lin)
-    try:
+    with forwards_replaced(linears, lambda _i, lin: in_dtype(lin)):
         yield len(linears)
-    finally:
-        for lin, old in zip(linears, saved):
-            if old is None:
-                lin.__dict__.pop("forward", None)
-            else:
-                lin.forward = old
 
 
 @contextlib.contextmanager

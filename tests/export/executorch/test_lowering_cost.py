@@ -162,14 +162,23 @@ def test_the_stock_functions_come_back_even_after_an_error():
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
     from torch.fx import traceback as fx_traceback
 
+    from executorch.exir import lowered_backend_module
+    from torch.export import ExportedProgram
+
     pass_init, source_init = XNNPACKPassManager.__init__, fx_traceback.NodeSource.__init__
+    legalize, decompose = lowered_backend_module.legalize_graph, ExportedProgram.run_decompositions
     with pytest.raises(RuntimeError):
-        with lowering_cost.applicable_passes_only(), lowering_cost.without_provenance():
+        with lowering_cost.applicable_passes_only(), lowering_cost.without_provenance(), \
+                lowering_cost.in_place_legalize(), lowering_cost.no_op_decompositions_skipped():
             assert XNNPACKPassManager.__init__ is not pass_init
             assert fx_traceback.NodeSource.__init__ is not source_init
+            assert lowered_backend_module.legalize_graph is lowering_cost.legalize_in_place
+            assert ExportedProgram.run_decompositions is not decompose
             raise RuntimeError("lowering failed")
     assert XNNPACKPassManager.__init__ is pass_init
     assert fx_traceback.NodeSource.__init__ is source_init
+    assert lowered_backend_module.legalize_graph is legalize
+    assert ExportedProgram.run_decompositions is decompose
 
 
 def _scrambled():
