@@ -1,7 +1,7 @@
 """Speculative decoding with prompt lookup against plain decoding of the same .pte, in one run.
 
-Our demo .pte (the stages and export options of ``examples/smollm2.yaml``, plus ``scoring_method:
-true`` for the ``forward_all`` method that verifies drafts) decodes every prompt of three sets
+Our demo .pte (the stages and export options of ``examples/smollm2.yaml``, plus ``verify_tokens`` for
+the ``verify`` method that checks drafts bit for bit as one-token calls would) decodes every prompt of three sets
 built from text the project ships, plainly and with ``--speculative ngram``
 (:mod:`export.speculative`), round-robin within each round:
 
@@ -19,7 +19,7 @@ output equals plain greedy decoding. With ``--with-optimum`` the peer's 8da4w .p
 built in its own venv by ``bench/executorch.py``'s helpers; about 11 minutes the first time) decodes
 the same prompts plainly, and its ratio is reported too.
 
-    flock /tmp/heavy.lock .venv/bin/python bench/speculative.py [--rounds 3] [--with-optimum]
+    flock /tmp/heavy.lock .venv/bin/python bench/speculative.py [--rounds 3] [--with-optimum] [--pte model.pte]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch  # noqa: E402
 
 THREADS = 2
 MAX_NEW = 96
+VERIFY_TOKENS = 5  # drafts of up to 4 tokens: a call pays for its rows, repeats included (docs/executorch.md)
 
 
 def log(msg: str) -> None:
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench_executorch"),
                     help="exports (shared with bench/executorch.py) and the peer's venv")
     ap.add_argument("--output", type=Path, default=Path("/tmp/bench_speculative.txt"), help="table (and .json beside it)")
+    ap.add_argument("--pte", type=Path, help="time this program (it must carry verify) instead of exporting the demo "
+                    "recipe with verify_tokens")
     args = ap.parse_args(argv)
     torch.set_num_threads(THREADS)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -155,14 +158,18 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     lm = load_model(BundledSource(name="smollm2-135m"))
     tok = lm.tokenizer
-    stages, opts = our_recipes()["demo"]
-    data = load_config(HERE.parent / "examples" / "smollm2.yaml", check_files=False).data
-    ids_all = tokenize(load_text("pydoc"), tok)
-    calib = cut(split_corpus(ids_all, eval_tokens=4096, calib_tokens=data.calibration_tokens).calib_ids, data.seq_len)
-    pte, _ = export_ours("demo-scoring", stages, {**opts, "scoring_method": True}, lm, calib, args.cache_dir)
+    if args.pte is not None:
+        pte = args.pte
+    else:
+        stages, opts = our_recipes()["demo"]
+        data = load_config(HERE.parent / "examples" / "smollm2.yaml", check_files=False).data
+        ids_all = tokenize(load_text("pydoc"), tok)
+        calib = cut(split_corpus(ids_all, eval_tokens=4096, calib_tokens=data.calibration_tokens).calib_ids,
+                    data.seq_len)
+        pte, _ = export_ours("demo-verify", stages, {**opts, "verify_tokens": VERIFY_TOKENS}, lm, calib, args.cache_dir)
     set_threads(THREADS)
     plain = ExecuTorchRunner(pte, threads=THREADS)
-    verifier = plain.scoring_runner()
+    verifier = plain.speculative_runner()
     decoders = {"plain": (plain, decode_plain), "ngram": (verifier, decode_speculative)}
     if args.with_optimum:
         peer_pte, _ = export_peer(convert_gguf(bundled_gguf_path("smollm2-135m")), args.cache_dir)
@@ -195,18 +202,21 @@ def main(argv=None) -> int:
                         stats[s][d].append(st)
             for d in decoders:
                 samples[s][d].append(tot[d][0] / tot[d][1])
-    lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, our demo .pte with forward_all ({pte}), {THREADS} threads, "
+    lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, our demo .pte with verify (up to "
+             f"{verifier.verify_tokens} tokens a call; {pte}), {THREADS} threads, "
              f"{MAX_NEW} new tokens at most per prompt (greedy, EOS stops), chat template; decode tok/s = generated "
              f"tokens after the first / time from the first token (the end of the prefill) to the last; "
-             f"{args.rounds} round-robin rounds, median; x plain = "
+             f"{args.rounds} round-robin rounds, median; x plain, x peer = "
              "the ratio within each round, median.", "",
-             "| set | prompts | decoder | decode tok/s | x plain | tokens/call | drafts accepted | same tokens as plain |",
-             "|---|---:|---|---:|---:|---:|---:|---|"]
+             "| set | prompts | decoder | decode tok/s | x plain | x peer | tokens/call | drafts accepted | same tokens as plain |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     result = {}
     for s in sets:
         for d in decoders:
             rate = statistics.median(samples[s][d])
             ratio = statistics.median(a / b for a, b in zip(samples[s][d], samples[s]["plain"]))
+            vs_peer = (statistics.median(a / b for a, b in zip(samples[s][d], samples[s]["peer"]))
+                       if "peer" in decoders else None)
             same = all(outputs[(s, i, d)] == outputs[(s, i, "plain")] for i in range(len(sets[s])))
             st = stats[s][d]
             calls = sum(x.get("calls", 0) for x in st)
@@ -217,8 +227,9 @@ def main(argv=None) -> int:
             acc = f"{accepted}/{drafted}" if d == "ngram" else "-"
             tpc_s = f"{tpc:.2f}" if tpc else "-"
             same_s = "n/a (another model)" if d == "peer" else ("yes" if same else "NO")
-            lines.append(f"| {s} | {len(sets[s])} | {d} | {rate:.1f} | {ratio:.2f} | {tpc_s} | {acc} | {same_s} |")
-            result[f"{s}/{d}"] = {"decode_tok_s": rate, "x_plain": ratio, "tokens_per_call": tpc,
+            peer_s = f"{vs_peer:.2f}" if vs_peer is not None else "-"
+            lines.append(f"| {s} | {len(sets[s])} | {d} | {rate:.1f} | {ratio:.2f} | {peer_s} | {tpc_s} | {acc} | {same_s} |")
+            result[f"{s}/{d}"] = {"decode_tok_s": rate, "x_plain": ratio, "x_peer": vs_peer, "tokens_per_call": tpc,
                                   "drafted": drafted, "accepted": accepted, "same_as_plain": same,
                                   "samples": samples[s][d]}
     lines += ["", f"Wall time {time.perf_counter() - t_all:.0f} s; load avg {os.getloadavg()[0]:.1f} at the end."]

@@ -126,6 +126,15 @@ class Runner(abc.ABC):
         returns every fed position's logits in a call where this one returns only the last."""
         return self
 
+    def speculative_runner(self) -> "Runner":
+        """A runner over the same artifact whose calls of several tokens give, at every position, the
+        logits one-token calls give, bit for bit, and whose cache cuts back exactly: what
+        :func:`export.speculative.speculative_generate` needs to keep plain greedy decoding's tokens.
+        Refused (:class:`RunnerError`, with the reason) where this runtime has no such path."""
+        raise RunnerError(f"{self.runtime} has no verification path whose several-token calls give one-token "
+                          "calls' logits bit for bit; speculative decoding would not keep plain greedy's tokens "
+                          "(an ExecuTorch .pte exported with verify_tokens has one)")
+
     def size_bytes(self) -> int | None:
         """Size of the shipped artifact in bytes, or None if not applicable."""
         return None

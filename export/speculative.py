@@ -8,20 +8,26 @@ choice after it. Rejected positions are cut from the KV cache (:meth:`Runner.tru
 kept token is the target's argmax given the tokens before it, so where a position's logits do not
 depend on how many tokens a call feeds (eager fp32; tested), the output is plain greedy decoding's
 (:func:`export.runtime.greedy_generate`), token for token, with the same stops: an EOS id,
-``max_new_tokens``, and a full cache. The demo ``.pte``'s chunked calls do not give its one-token
-calls' logits (docs/executorch.md), so its verified tokens can differ from its plain ones.
+``max_new_tokens``, and a full cache. A runtime's ordinary several-token call need not give that:
+ExecuTorch's attention kernel sums a block of query rows in another order than one row, and in a
+program with dynamically quantized activations the difference flips roundings (SmolLM2 8da4w: a few
+percent of the logit scale, and greedy output that diverges within tens of tokens). So the loop runs
+on :meth:`Runner.speculative_runner`, whose verification calls give one-token calls' logits bit for
+bit (a ``.pte``'s ``verify`` method, exported with ``verify_tokens``: attention row by row).
 
 Drafters here: :class:`NgramDrafter` (prompt lookup: what followed the latest earlier occurrence of
 the context's last n-gram; no model, strong where the answer copies its input).
 
-The draft length adapts (:class:`DraftLength`): it grows while drafts are accepted whole and
-shrinks when they fail, and after repeated misses drafting pauses for a number of steps that
-doubles each time, so a prompt where lookup finds nothing costs plain decoding's steps plus a
-dictionary lookup per token.
+The draft length adapts (:class:`DraftLength`): each proposal is cut to the length that earns the
+most tokens per second, from the acceptance its source has had and the measured time of the
+runner's calls by length; where no length pays, steps are plain (one token through the ordinary
+forward), with a short probe now and then, so a prompt where drafts fail costs plain decoding's
+steps plus a dictionary lookup per token.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -49,6 +55,8 @@ class NgramDrafter:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        #: the n-gram length the last proposal matched (0: none), the source DraftLength estimates by
+        self.last_source = 0
         self._ids: list[int] = []
         #: n-gram -> position just after its latest occurrence that is not the context's end
         self._latest: dict[tuple[int, ...], int] = {}
@@ -69,54 +77,98 @@ class NgramDrafter:
         if len(context) != len(self._ids):  # a caller that did not keep us up to date: rebuild
             self.__init__(self.max_ngram, self.min_ngram)
             self.extend(context)
+        self.last_source = 0
         if k <= 0:
             return []
         ids = self._ids
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             start = self._latest.get(tuple(ids[len(ids) - n:]))
             if start is not None:
+                self.last_source = n
                 return ids[start : start + k]
         return []
 
 
 @dataclass
 class DraftLength:
-    """How many tokens to draft next: grows on a draft accepted whole, halves on one rejected at its
-    first token; after ``patience`` misses in a row, drafting pauses for ``pause`` steps, a pause
-    that doubles each time it recurs (up to ``max_pause``) and resets when a draft is accepted."""
+    """How many of a proposal's tokens to verify: the length that earns the most tokens per second.
 
-    k: int = 4
-    min_k: int = 1
+    A verification call of ``k + 1`` tokens costs more than a one-token step (its rows, and the
+    verify method's row-by-row attention), and keeps on average ``E(k) = (1 - a^(k+1)) / (1 - a)``
+    tokens when each drafted token holds with probability ``a`` given the ones before it. Each
+    proposal's length is the ``k`` that maximises ``E(k) / C(k)``, ``C`` the call's time over a
+    one-token step's; ``k = 0`` (a plain step) wins where no length beats 1. ``a`` is estimated per
+    source of drafts (prompt lookup's n-gram length: a 3-gram match holds more often than a 1-gram)
+    as an exponential average of what verification kept; ``C`` from the timed calls themselves
+    (``measure``; else ``1 + cost_per_token * k``, for deterministic tests). When no length pays,
+    a one-token draft every ``probe_every`` proposals keeps the estimate fresh: drafts that keep
+    failing cost one short call in ``probe_every`` steps, so decoding stays within a few percent of
+    plain (the bench's 0.95x floor)."""
+
     max_k: int = 8
-    patience: int = 3
-    max_pause: int = 64
-    misses: int = 0
-    pause: int = 0
-    next_pause: int = 4
+    prior_acceptance: float = 0.5
+    #: weight of one observation in the acceptance average (a burst of copying is found in a few steps)
+    rate: float = 0.25
+    probe_every: int = 16
+    #: time the calls (True), or price a call of k + 1 tokens at 1 + cost_per_token * k
+    measure: bool = True
+    cost_per_token: float = 0.15
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_k <= self.k <= self.max_k:
-            raise ValueError(f"need 1 <= min_k <= k <= max_k, got {self.min_k}, {self.k}, {self.max_k}")
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        if not 0.0 < self.prior_acceptance < 1.0:
+            raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
+        if not 0.0 < self.rate <= 1.0 or self.probe_every < 1:
+            raise ValueError(f"need 0 < rate <= 1 and probe_every >= 1, got {self.rate}, {self.probe_every}")
+        self.acceptance: dict = {}
+        #: fed tokens -> exponential average of one call's seconds
+        self.seconds: dict[int, float] = {}
+        self._idle = 0
 
-    def wanted(self) -> int:
-        if self.pause > 0:
-            self.pause -= 1
+    def cost(self, fed: int) -> float:
+        """A call of ``fed`` tokens over a one-token step: measured where both are, else the prior line."""
+        one = self.seconds.get(1)
+        if self.measure and one and fed in self.seconds:
+            return self.seconds[fed] / one
+        return 1.0 + self.cost_per_token * (fed - 1)
+
+    def choose(self, source, available: int) -> int:
+        """How many of ``available`` proposed tokens (from ``source``) to verify; 0: a plain step."""
+        if available <= 0:
             return 0
-        return self.k
+        a = self.acceptance.get(source, self.prior_acceptance)
+        best_k, best = 0, 1.0
+        for k in range(1, min(self.max_k, available) + 1):
+            kept = (1.0 - a ** (k + 1)) / (1.0 - a) if a < 1.0 else k + 1.0
+            gain = kept / self.cost(k + 1)
+            if gain > best:
+                best_k, best = k, gain
+        if best_k:
+            self._idle = 0
+            return best_k
+        self._idle += 1
+        if self._idle >= self.probe_every:
+            self._idle = 0
+            return 1
+        return 0
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
+    def update(self, source, drafted: int, accepted: int) -> None:
+        """``accepted`` of ``drafted`` tokens held: each kept token and the first rejected one are
+        observations of ``source``'s acceptance."""
+        if drafted <= 0:
             return
-        if accepted == 0:
-            self.misses += 1
-            self.k = max(self.min_k, self.k // 2)
-            if self.misses >= self.patience:
-                self.pause, self.misses = self.next_pause, 0
-                self.next_pause = min(self.max_pause, self.next_pause * 2)
+        a = self.acceptance.get(source, self.prior_acceptance)
+        for held in [1.0] * accepted + ([0.0] if accepted < drafted else []):
+            a += self.rate * (held - a)
+        self.acceptance[source] = min(max(a, 1e-3), 1.0 - 1e-3)
+
+    def timed(self, fed: int, seconds: float) -> None:
+        """One call of ``fed`` tokens took ``seconds`` (the first of each length sets its average)."""
+        if not self.measure or seconds <= 0:
             return
-        self.misses, self.next_pause = 0, 4
-        if accepted == drafted:
-            self.k = min(self.max_k, self.k + 2)
+        old = self.seconds.get(fed)
+        self.seconds[fed] = seconds if old is None else old + 0.2 * (seconds - old)
 
 
 @dataclass
@@ -159,6 +211,8 @@ def speculative_generate(
     its cache back exactly (``truncate``); a runner that cannot is refused with the reason."""
     ids = checked_prompt(runner, prompt_ids, "speculative_generate").tolist()
     limit = runner.max_seq_len
+    #: the most tokens one verification call takes (a .pte's verify method), None where unbounded
+    widest = getattr(runner, "verify_tokens", None)
     drafter = drafter if drafter is not None else NgramDrafter()
     draft = draft if draft is not None else DraftLength()
     eos = {int(e) for e in eos_token_ids}
@@ -187,14 +241,20 @@ def speculative_generate(
         room = max_new_tokens - len(out)  # drafts beyond the last token wanted are never kept
         if limit is not None:
             room = min(room, limit - fed - 1)
-        proposal = drafter.propose(context, min(draft.wanted(), room)) if room > 0 else []
+        if widest is not None:
+            room = min(room, widest - 1)
+        proposal = drafter.propose(context, min(draft.max_k, room)) if room > 0 else []
+        source = getattr(drafter, "last_source", None)
+        proposal = proposal[: draft.choose(source, len(proposal))]
         feed = torch.tensor([nxt, *proposal], dtype=torch.long)
+        t0 = time.perf_counter()
         logits = runner.forward(feed, all_logits=True)
         if logits.shape[0] != feed.numel():
             raise RunnerError(f"{runner.runtime} returned {logits.shape[0]} positions' logits for {feed.numel()} "
                               "tokens; speculative decoding needs every position's (an ExecuTorch program "
-                              "exported with scoring_method: true, through its scoring_runner())")
+                              "exported with verify_tokens, through its speculative_runner())")
         choice = torch.argmax(logits, dim=-1).tolist()
+        draft.timed(int(feed.numel()), time.perf_counter() - t0)
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
             accepted += 1
@@ -203,7 +263,7 @@ def speculative_generate(
             stats.verify_calls += 1
             stats.drafted += len(proposal)
             stats.accepted += accepted
-        draft.update(len(proposal), accepted)
+        draft.update(source, len(proposal), accepted)
         if accepted < len(proposal) and not runner.truncate(fed + 1 + accepted):
             raise RunnerError(f"{runner.runtime} cannot cut its KV cache back exactly (a ring cache?): "
                               "speculative decoding needs it; decode plainly")

@@ -219,7 +219,8 @@ def cmd_run(args) -> int:
     from optimize.generate import generate_from_artifact
 
     generate_from_artifact(Path(args.artifact), args.prompt, max_new_tokens=args.max_new_tokens,
-                           chat=args.chat, threads=args.threads, stream=sys.stdout, runner=args.runner)
+                           chat=args.chat, threads=args.threads, stream=sys.stdout, runner=args.runner,
+                           speculative=args.speculative)
     return 0
 
 
@@ -366,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", choices=["auto", "llm", "python"], default="auto",
                    help=".pte: ExecuTorch's C++ text runner when the program allows it (auto, the default), "
                    "always (llm: an error if it cannot), or the Python loop (python)")
+    s.add_argument("--speculative", choices=["off", "ngram"], default="off",
+                   help="ngram: prompt-lookup drafts verified several tokens a call through the .pte's verify method "
+                   "(export.executorch.verify_tokens); the same tokens as plain greedy, faster where the answer "
+                   "copies the prompt (default off)")
     s.set_defaults(fn=cmd_run)
 
     s = command("setup", help="install what a check needs beyond pip: `optimize setup arm64` builds the ARM64 "

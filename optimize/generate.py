@@ -12,16 +12,19 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
 from export.runtime import RunnerError, greedy_generate
+from export.speculative import speculative_generate
 from optimize.quiet import LogOutput, console
 
 log = logging.getLogger(__name__)
 
 RunnerChoice = Literal["auto", "llm", "python"]
+SpeculativeChoice = Literal["off", "ngram"]
 
 
 def _stderr(msg: str) -> None:
@@ -31,7 +34,7 @@ def _stderr(msg: str) -> None:
 def generate_from_artifact(
     artifact: Path, prompt: str, *, max_new_tokens: int = 64, chat: bool = False, threads: int | None = None,
     stream: TextIO | None | str = "stdout", runner: RunnerChoice = "auto",
-    say: Callable[[str], None] | None = _stderr,
+    say: Callable[[str], None] | None = _stderr, speculative: SpeculativeChoice = "off",
 ) -> str:
     """Greedy-generate from ``artifact`` (a .pte or .onnx with tokenizer files beside it),
     streaming text to ``stream`` as it is produced (``"stdout"``: the process's stdout at the call; None:
@@ -40,6 +43,12 @@ def generate_from_artifact(
     ``runner``: ``auto`` takes ExecuTorch's C++ runner for a .pte when it can (else logs why not and
     uses the Python loop), ``llm`` requires it (a clear error if it cannot), ``python`` skips it.
     ``say`` gets one line with the C++ runner's own timing stats.
+
+    ``speculative="ngram"`` decodes with prompt-lookup drafts verified several at a time
+    (:mod:`export.speculative`) through the artifact's verification path (a ``.pte``'s ``verify``
+    method): the same tokens as plain greedy decoding of that artifact, in fewer reads of the
+    weights where the answer copies its prompt; ``say`` gets the drafts' stats. It runs the Python
+    loop (ExecuTorch's C++ runner decodes one token a call), so ``runner="llm"`` is refused with it.
 
     What the native runtimes print themselves (ExecuTorch's cpuinfo lines on file descriptor 2, the
     C++ runner's newline on 1) never reaches the caller's streams: it is kept apart while they run
@@ -52,7 +61,7 @@ def generate_from_artifact(
     os.close(fd)
     try:
         with LogOutput(native_log):
-            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say)
+            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say, speculative)
     finally:
         if stream is not None:
             try:
@@ -81,13 +90,19 @@ def _own_stdout(stream: TextIO) -> TextIO:
 
 
 def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, threads: int | None,
-              stream: TextIO | None, runner: RunnerChoice, say: Callable[[str], None] | None) -> str:
+              stream: TextIO | None, runner: RunnerChoice, say: Callable[[str], None] | None,
+              speculative: SpeculativeChoice = "off") -> str:
     from transformers import AutoTokenizer
 
     if not artifact.exists():  # a file, or an export directory its exporter recognises (onnxruntime-genai)
         raise FileNotFoundError(f"artifact not found: {artifact}")
     if runner not in ("auto", "llm", "python"):
         raise ValueError(f"runner must be auto, llm or python, got {runner!r}")
+    if speculative not in ("off", "ngram"):
+        raise ValueError(f"speculative must be off or ngram, got {speculative!r}")
+    if speculative != "off" and runner == "llm":
+        raise ValueError("--speculative decodes in the Python loop over the artifact's verify method; ExecuTorch's "
+                         "C++ runner decodes one token a call (drop --runner llm, or use --speculative off)")
     try:
         tok = AutoTokenizer.from_pretrained(artifact if artifact.is_dir() else artifact.parent, local_files_only=True)
     except Exception as exc:
@@ -120,7 +135,9 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             stream.write(piece)
             stream.flush()
 
-    if runner != "python":
+    if speculative != "off":
+        loaded = loaded.speculative_runner()  # refused here, before any decoding, where it has none
+    if runner != "python" and speculative == "off":
         done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm")
         if done is not None:
             answer, timing = done
@@ -143,10 +160,32 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
         elif not printed.startswith(now):
             printed = now  # the decoded text changed under what was shown (a multi-byte character completed)
 
-    greedy_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
-    if stream is not None:
-        stream.write("\n")
+    if speculative == "off":
+        greedy_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
+        if stream is not None:
+            stream.write("\n")
+    else:
+        stamps: list[float] = []
+
+        def timed(t: int) -> None:
+            stamps.append(time.perf_counter())
+            on_token(t)
+
+        _, stats = speculative_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=timed)
+        if stream is not None:
+            stream.write("\n")
+            stream.flush()
+        if say is not None:
+            say(speculative_line(stats, stamps))
     return tok.decode(produced, skip_special_tokens=True)
+
+
+def speculative_line(stats, stamps: list[float]) -> str:
+    """One line of what the drafts did, and the decode rate after the first token."""
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
+    acc = f"{stats.accepted}/{stats.drafted} drafted tokens accepted" if stats.drafted else "no drafts"
+    return (f"[speculative ngram] {stats.tokens} tokens in {stats.calls} calls after the prefill "
+            f"({stats.tokens_per_call:.2f} a call), {acc}, decode {_rate(rate)} tok/s")
 
 
 def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int, write: Callable[[str], None], *,

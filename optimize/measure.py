@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from export.runtime import EagerRunner, Runner
+from export.runtime import EagerRunner, Runner, greedy_generate
 from export.verify import greedy_match, logits_parity
 from optimize.checks import baseline_cache
 from optimize.checks.accuracy import BaselineLogits, evaluate
@@ -120,6 +120,12 @@ def measure_runner(state: RunState, model: torch.nn.Module, runner: Runner, deta
             details["parity_vs_eager"] = logits_parity(eager, runner, [w[:-1] for w in state.eval_windows[:1]])
         if cfg.checks.generate_tokens:
             details["greedy"] = greedy_compare(eager, runner, state)
+            spec = speculative_compare(runner, state)
+            if spec is not None:
+                details["speculative"] = spec
+                state.say(f"speculative decoding (prompt lookup through {spec['method']}): {spec['tokens']} tokens "
+                          f"{'equal' if spec['match'] else 'DIFFER from'} plain greedy, "
+                          f"{spec['tokens_per_call']:.2f} a call")
     if cfg.checks.latency.enabled:
         fill_latency(m, runner, state)
         if hasattr(runner, "llm_runner_report"):  # a .pte: also through the C++ runner that apps embed
@@ -133,6 +139,31 @@ def measure_runner(state: RunState, model: torch.nn.Module, runner: Runner, deta
                           f"the Python loop; prefill {s['prefill_ms']:.0f} ms ({s['prompt_tokens']} tokens), "
                           f"decode {s['decode_tok_s'] or 0:.1f} tok/s")
     return m
+
+
+def speculative_compare(runner: Runner, state: RunState) -> dict | None:
+    """Where the artifact has a verification path (a ``.pte`` exported with ``verify_tokens``): prompt
+    lookup through it against plain greedy decoding of the same artifact, on the greedy check's prompt
+    said twice (so lookup has spans to copy), for at least 64 tokens. None where it has none."""
+    from export.runtime import RunnerError
+    from export.speculative import DraftLength, speculative_generate
+
+    try:
+        fast = runner.speculative_runner()
+    except RunnerError:
+        return None
+    head = state.prompt[: min(32, state.prompt.numel())].tolist()
+    prompt = head * 2
+    n = max(64, 4 * state.cfg.checks.generate_tokens)
+    if runner.max_seq_len is not None:
+        n = min(n, runner.max_seq_len - len(prompt))
+    plain = greedy_generate(runner, prompt, n)
+    got, stats = speculative_generate(fast, prompt, n, draft=DraftLength(measure=False))
+    diverged = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
+    if diverged is None and len(got) != len(plain):
+        diverged = min(len(got), len(plain))
+    return {"method": "verify", "verify_tokens": getattr(fast, "verify_tokens", None),
+            "tokens": len(plain), "match": diverged is None, "diverged_at": diverged, **stats.as_dict()}
 
 
 def greedy_compare(eager: Runner, runner: Runner, state: RunState) -> dict:

@@ -185,6 +185,12 @@ def runtime_lines(report: Report) -> list[str]:
                          + ("equal the Python loop's" if g["match"] else f"differ from the Python loop's at {g['diverged_at']}"))
         elif llm:
             lines.append(f"- {r.name}, ExecuTorch C++ runner not used: {llm.get('reason')}")
+        spec = d.get("speculative")
+        if spec:
+            lines.append(f"- {r.name}, speculative decoding (prompt lookup through `{spec['method']}`, drafts of up to "
+                         f"{(spec.get('verify_tokens') or 2) - 1} tokens): {spec['tokens']} greedy tokens "
+                         + ("equal plain decoding's" if spec["match"] else f"DIFFER from plain decoding's at "
+                            f"{spec['diverged_at']}") + f", {spec['tokens_per_call']:.2f} tokens a call")
     return lines
 
 

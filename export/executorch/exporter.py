@@ -34,7 +34,7 @@ from export.base import eos_token_ids, package_versions
 from export.executorch.inspection import _check_custom_ops, _delegation, _program_calls
 from export.executorch.options import ExecuTorchOptions, _resolve_max_seq_len, model_problems
 from export.executorch.quant import apply_quantization, _is_lm_head, _refuse_weight_only, exported_linear_schemes
-from export.executorch.runner import SCORING_METHOD, ExecuTorchRunner
+from export.executorch.runner import SCORING_METHOD, VERIFY_METHOD, ExecuTorchRunner
 from export.precision import (
     check_mix,
     linear_scheme,
@@ -96,7 +96,8 @@ def _metadata(model, tokenizer, opts: ExecuTorchOptions, n: int, chunk: int, pla
 
 
 
-def _export_decoder(decoder, chunk: int, plan, eager_schemes: dict) -> tuple[torch.export.ExportedProgram, dict]:
+def _export_decoder(decoder, chunk: int, plan, eager_schemes: dict, rows: int = 1
+                    ) -> tuple[torch.export.ExportedProgram, dict]:
     """torch.export one decoder wrapper and run the graph passes every method gets (see lower_program)."""
     from export.executorch.delegable import split_as_slices, static_reshapes
     from export.executorch.fusion import merge_duplicate_linears
@@ -116,7 +117,7 @@ def _export_decoder(decoder, chunk: int, plan, eager_schemes: dict) -> tuple[tor
     except Exception as exc:
         raise ExportError(f"torch.export of {type(decoder.model).__name__} with ExecuTorch's LLM ops failed: "
                           f"{exc}") from exc
-    passes = {"reshapes": static_reshapes(ep), "splits": split_as_slices(ep), "custom_ops": _check_custom_ops(ep, plan)}
+    passes = {"reshapes": static_reshapes(ep), "splits": split_as_slices(ep), "custom_ops": _check_custom_ops(ep, plan, rows)}
     passes["graph_schemes"] = exported_linear_schemes(ep)
     check_mix(eager_schemes, passes["graph_schemes"])
     # after the scheme check (which reads every member's own linear): one GEMM per fused group
@@ -215,6 +216,10 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     if scoring:  # same weights (stored once: XNNPACK keys them by sha256, the emitter dedups constants)
         programs[SCORING_METHOD], _ = _export_decoder(
             ExecuTorchDecoder(model, plan, dtype=dtype, last_logits=False).eval(), chunk, plan, eager_schemes)
+    rows = opts.verify_tokens
+    if rows:  # speculative decoding's verification calls, on forward's cache (shared mutable buffers below)
+        programs[VERIFY_METHOD], _ = _export_decoder(
+            ExecuTorchDecoder(model, plan, dtype=dtype, verify_rows=rows).eval(), rows, plan, eager_schemes, rows)
     timings["torch_export_s"] = time.perf_counter() - t0
     reshapes, splits, custom_ops, graph_schemes, merged, transposes, joint_rope = (
         passes[k] for k in ("reshapes", "splits", "custom_ops", "graph_schemes", "merged", "transposes", "joint_rope"))
@@ -236,24 +241,29 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
         with dynamic_slices(), applicable_passes_only(skipped), without_provenance(), in_place_legalize(), \
                 no_op_decompositions_skipped(decompositions_skipped):
             edge = to_edge_transform_and_lower(
-                programs if scoring else ep,
+                programs if len(programs) > 1 else ep,
                 partitioner=[XnnpackPartitioner(configs=partitioner_configs(hidden))],
                 compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
                 constant_methods=meta,
             )
         delegation = _delegation(edge.exported_program().graph_module)
+        if rows:
+            delegation[VERIFY_METHOD] = _delegation(edge.exported_program(VERIFY_METHOD).graph_module)
         boundaries = count_residual_adds(edge.exported_program().graph_module, hidden) if hidden else 0
         # quant fusion turns torchao's dequantize+embedding into quantized_decomposed::embedding_*;
         # graph inputs are not planned into the arena (the runner owns them)
         with without_provenance():
             prog = edge.to_executorch(ExecutorchBackendConfig(
                 do_quant_fusion_and_const_prop=True,
-                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+                # verify continues forward's cache: the methods' KV buffers are one allocation
+                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, share_mutable_buffers=bool(rows)),
                 external_constants=(lambda node: PTD_TAG) if external else False,
             ))
         data = bytes(prog.buffer)
         ptd = _external_data(prog) if external else None
         delegation.update(_program_calls(prog))
+        if rows:
+            delegation[VERIFY_METHOD].update(_program_calls(prog, VERIFY_METHOD))
     except Exception as exc:
         raise ExportError(f"lowering to ExecuTorch/XNNPACK failed: {exc}") from exc
     timings["lower_s"] = time.perf_counter() - t0
@@ -265,6 +275,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "tanh_gelu_swapped": gelus,
                            "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
                            "scoring_method": SCORING_METHOD if scoring else None,
+                           "verify_method": {"name": VERIFY_METHOD, "max_tokens": rows} if rows else None,
                            "fused_projections": fusion, "merged_linears": merged,
                            "residual_boundaries": boundaries, "head_transposes_removed": transposes,
                            "joint_rope_layers": joint_rope, "xnnpack_passes_skipped": skipped,

@@ -117,6 +117,9 @@ class _CallState:
         self.ring_masks: dict[int, torch.Tensor] = {}
         #: additive causal mask over a full-length cache, built only for soft-capped models
         self.full_mask: torch.Tensor | None = None
+        #: the verify method's static row count (None: attend over the whole call at once)
+        self.verify_rows: int | None = None
+        self.n_tokens: Any = 1
 
 
 def _cache_layer_class():
@@ -216,11 +219,37 @@ def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
         mask = state.ring_masks[plan.window] if plan.ring else state.full_mask
         return softcapped_attention(query, key, value, mask, scaling, float(kwargs["softcap"])), None
     q = query.transpose(1, 2)
+    if state.verify_rows is not None and not plan.ring:
+        return rowwise_sdpa(q, key, value, state.start_pos, state.n_tokens, state.verify_rows, scaling), None
     if plan.ring:
         out = torch.ops.llama.custom_sdpa(q, key, value, 0, state.ring_masks[plan.window], 0.0, False, scaling)
     else:
         out = torch.ops.llama.custom_sdpa(q, key, value, state.start_pos, None, 0.0, True, scaling)
     return out, None
+
+
+def rowwise_sdpa(q, key, value, start, n, rows: int, scaling) -> torch.Tensor:
+    """``llama::custom_sdpa`` one query row at a time: row ``i`` of a call is attended exactly as a
+    one-token call at position ``start + i`` attends, bit for bit.
+
+    The kernel attends a block of query rows with one GEMM over the keys, and a GEMM of several rows
+    does not sum in the order a one-row GEMM does (about 3e-7 apart in float32): in a program with
+    dynamically quantized activations such differences flip roundings downstream, and a call's
+    logits then differ from one-token calls' by a few percent of their scale. Speculative decoding
+    needs a verification call to choose exactly what plain decoding would, so the verify method
+    attends row by row. ``rows`` is static (the most tokens a verification call takes); a call of
+    ``n < rows`` tokens repeats its last row, attended from position 0 (one key: a call's fixed cost,
+    not a row's attention), and drops the repeats. ``q`` is ``[B, T, H, D]``; the cache already
+    holds every fed position."""
+    padded = torch.cat([q, q[:, -1:].expand(-1, rows, -1, -1)], dim=1)[:, :rows]
+    # row r < n attends from start + r; a repeat (r >= n, where n - r <= 0) from 0, where the kernel reads
+    # one key ((n - r) * S exceeds every position while r < n, so sym_min keeps start + r)
+    cache_len = key.shape[1]
+    outs = []
+    for r in range(rows):
+        at = start if r == 0 else torch.sym_min(start + r, torch.sym_max(0, (n - r) * cache_len))
+        outs.append(torch.ops.llama.custom_sdpa(padded[:, r : r + 1], key, value, at, None, 0.0, True, scaling))
+    return torch.cat(outs, dim=1)[:, :n]
 
 
 def softcapped_attention(query, key, value, mask, scaling, softcap: float) -> torch.Tensor:
@@ -263,8 +292,10 @@ class ExecuTorchDecoder(nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: ModelPlan, dtype: torch.dtype = torch.float32,
-                 last_logits: bool = False):
+                 last_logits: bool = False, verify_rows: int | None = None):
         super().__init__()
+        #: attend row by row, for calls of at most this many tokens (the verify method; rowwise_sdpa)
+        self.verify_rows = verify_rows
         #: return logits for the last fed position only (what generation reads): prefill then
         #: skips the output projection for every other prompt token
         self.last_logits = last_logits
@@ -311,6 +342,9 @@ class ExecuTorchDecoder(nn.Module):
         torch._check(start + n <= self.plan.max_seq_len)
         state = self.state
         state.input_pos, state.start_pos = input_pos, start
+        state.verify_rows, state.n_tokens = self.verify_rows, n
+        if self.verify_rows is not None:
+            torch._check(n <= self.verify_rows)
         state.ring_indices, state.ring_masks = {}, {}
         for w in self.plan.windows:
             ring = self.rings[str(w)]

@@ -79,6 +79,17 @@ class ExecuTorchOptions(ExportOptions):
         "one call per token. null (default): exported when checks.tasks scores the export row. Costs a second "
         "lowering at export time and, once loaded, a second copy of XNNPACK's packed weights in memory",
     )
+    verify_tokens: int | None = Field(
+        None,
+        ge=2,
+        le=32,
+        description="also export verify: up to this many tokens a call, every position's logits, each equal bit "
+        "for bit to what forward gives one token a call (attention row by row), on the same KV cache as forward "
+        "(the methods share their mutable buffers). What speculative decoding verifies drafts with "
+        "(optimize run --speculative): a draft of verify_tokens - 1 tokens at most. null (default): not "
+        "exported. Costs a second lowering at export time and, once loaded, a second copy of XNNPACK's packed "
+        "weights in memory",
+    )
     fuse_projections: bool = Field(
         True,
         description="run q/k/v and gate/up, which read the same input, as one GEMM each (their weights "
@@ -159,7 +170,12 @@ def model_problems(config: Any, opts: ExecuTorchOptions) -> list[str]:
     if limit is not None and n > limit:
         problems.append(f"max_seq_len={n} exceeds the model's max_position_embeddings={limit}; "
                         f"export with max_seq_len <= {limit}")
-    problems.extend(plan_layers(config, n).problems)
+    plan = plan_layers(config, n)
+    problems.extend(plan.problems)
+    if opts.verify_tokens and plan.windows:
+        problems.append(f"verify_tokens: sliding-window layers (window {plan.windows[0]} < max_seq_len={n}) keep a "
+                        "ring cache, which cannot be cut back after a rejected draft; export without verify_tokens, "
+                        f"or with max_seq_len <= {plan.windows[0]}")
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     if opts.quantize == "8da4w" and hidden:
         why = group_size_error(opts.group_size)

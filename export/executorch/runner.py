@@ -45,6 +45,9 @@ META_METHODS = (
 #: every fed position's logits, so lm-eval scoring of a ``logits: last`` program feeds a continuation
 #: in one call
 SCORING_METHOD = "forward_all"
+#: the method the exporter's ``verify_tokens`` adds: up to that many tokens a call, every position's
+#: logits equal to one-token ``forward`` calls', on ``forward``'s own KV cache (speculative decoding)
+VERIFY_METHOD = "verify"
 
 
 def set_threads(n: int) -> int:
@@ -133,6 +136,9 @@ class ExecuTorchRunner(Runner):
         self._bind(method)
         self._pos = 0
         self._llm = None
+        #: the verify method, bound by speculative_runner(): several tokens a call, one-token logits
+        self._verify = None
+        self.verify_tokens: int | None = None
 
     def _bind(self, method: str) -> None:
         """Load ``method`` (a KV-cache forward: ``forward``, or the exporter's ``forward_all``) and read
@@ -184,9 +190,43 @@ class ExecuTorchRunner(Runner):
         other.reset()
         return other
 
+    def speculative_runner(self) -> "ExecuTorchRunner":
+        """This program with its ``verify`` method bound beside ``forward``, on the same KV cache: a call
+        of 2 to ``verify_tokens`` tokens that asks for every position goes through ``verify``, whose logits
+        are bit for bit what ``forward`` gives one token a call; everything else through ``forward``.
+        Refused for a program exported without ``verify_tokens``. Loading the method packs XNNPACK's
+        weights a second time."""
+        if self._verify is not None:
+            return self
+        names = set(self._program.method_names)
+        if VERIFY_METHOD not in names:
+            raise RunnerError(f"{self.path.name} has no {VERIFY_METHOD!r} method (methods: {', '.join(sorted(names))}); "
+                              "export it with export.executorch.verify_tokens (for example 5) to decode speculatively")
+        if self.method != "forward":
+            raise RunnerError(f"speculative decoding continues forward's cache; this runner is bound to {self.method!r}")
+        try:
+            verify = self._program.load_method(VERIFY_METHOD)
+        except Exception as exc:
+            raise RunnerError(f"cannot load method {VERIFY_METHOD!r} of {self.path}: {exc}") from None
+        other = copy.copy(self)
+        other._llm = None
+        other._verify = verify
+        other.verify_tokens = int(verify.metadata.input_tensor_meta(0).sizes()[-1])
+        other.reset()
+        return other
+
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
         t = int(ids.numel())
+        if self._verify is not None and all_logits and 1 < t <= self.verify_tokens:
+            pos = torch.arange(self._pos, self._pos + t, dtype=torch.long)
+            with serial_torch():
+                try:
+                    logits = self._verify.execute([ids.reshape(1, t), pos])[0]
+                except Exception as exc:
+                    raise RunnerError(f"{self.path.name}: verify of {t} tokens at position {self._pos} failed: {exc}") from None
+            self._pos += t
+            return logits.reshape(t, -1).float()
         # a last-position-only program scores every position only when fed one token at a time
         step = self.max_chunk if (self.all_positions or not all_logits) else 1
         outs = []

@@ -52,21 +52,44 @@ def test_a_drafter_not_kept_up_to_date_rebuilds_itself():
     assert d.propose([1, 2, 3, 1, 2], 2) == [3, 1]
 
 
-def test_the_draft_length_grows_shrinks_and_pauses():
-    dl = DraftLength(k=4, max_k=8, patience=2)
-    dl.update(4, 4)
-    assert dl.k == 6
-    dl.update(6, 0)
-    assert dl.k == 3 and dl.wanted() == 3
-    dl.update(3, 0)  # the second miss in a row: a pause of 4 steps
-    assert [dl.wanted() for _ in range(5)] == [0, 0, 0, 0, dl.k]
-    dl.update(1, 0)
-    dl.update(1, 0)  # missed again: the next pause is twice as long
-    assert sum(dl.wanted() == 0 for _ in range(9)) == 8
-    dl.update(2, 1)  # an accepted token resets the pauses
-    assert dl.next_pause == 4 and dl.misses == 0
-    with pytest.raises(ValueError):
-        DraftLength(k=9, max_k=8)
+def _fixed(**kw) -> DraftLength:
+    """A draft policy priced by its cost line, not by timing the calls (so tests are deterministic)."""
+    return DraftLength(measure=False, **kw)
+
+
+def test_the_draft_length_follows_acceptance_and_cost():
+    # a call of k + 1 tokens costs 1 + 0.3k steps: one drafted token pays only above 30% acceptance
+    dl = _fixed(max_k=8, prior_acceptance=0.9, cost_per_token=0.3)
+    assert 4 <= dl.choose(3, 8) <= 6 and dl.choose(3, 3) == 3 and dl.choose(3, 0) == 0
+    for _ in range(3):
+        dl.update(3, 8, 0)  # rejected at once, three times: 0.9 -> 0.675 -> 0.506 -> 0.380
+    assert dl.acceptance[3] == pytest.approx(0.380, abs=1e-3) and dl.choose(3, 8) == 1
+    dl.update(3, 8, 0)
+    assert dl.acceptance[3] < 0.3 and dl.choose(3, 8) == 0  # nothing pays: a plain step
+    assert dl.choose(2, 8) >= 4  # another source keeps its own estimate
+    for _ in range(6):  # a burst of copying brings the length back within a few drafts
+        dl.update(3, 1, 1)
+    assert dl.choose(3, 8) >= 3
+
+
+def test_expensive_calls_are_not_worth_a_draft_and_are_probed_now_and_then():
+    dl = _fixed(max_k=8, prior_acceptance=0.3, cost_per_token=0.8, probe_every=4)
+    # E(1) = 1.3 tokens for a call costing 1.8 steps: never worth it, except the periodic probe
+    assert [dl.choose(1, 8) for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_measured_call_times_replace_the_cost_line():
+    dl = DraftLength(max_k=4, prior_acceptance=0.6, probe_every=100)
+    assert dl.choose(1, 4) > 0  # the prior line: verification is cheap
+    dl.timed(1, 0.010)
+    for fed in (2, 3, 4, 5):
+        dl.timed(fed, 0.040)  # every verification costs four steps
+    assert dl.cost(3) == pytest.approx(4.0) and dl.choose(1, 4) == 0
+    dl.timed(1, 0.0)  # a zero reading is ignored
+    assert dl.seconds[1] == 0.010
+    for bad in ({"max_k": 0}, {"prior_acceptance": 1.0}, {"rate": 0.0}, {"probe_every": 0}):
+        with pytest.raises(ValueError):
+            DraftLength(**bad)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gemma"])
@@ -97,7 +120,7 @@ def test_the_same_tokens_as_plain_greedy(family_model, max_seq_len, max_new):
         if max_seq_len is not None and len(prompt) >= max_seq_len:
             continue
         plain = greedy_generate(runner, prompt, max_new)
-        fast, stats = speculative_generate(runner, prompt, max_new)
+        fast, stats = speculative_generate(runner, prompt, max_new, draft=_fixed())
         assert fast == plain, (family, prompt[:6])
         if max_seq_len is not None:  # ran until the cache was full, as plain decoding does
             assert len(plain) == max_seq_len - len(prompt) + 1
@@ -145,4 +168,12 @@ def test_runners_that_cannot_verify_are_refused_with_the_reason(family_model):
         speculative_generate(_LastOnly(model), prompt, 30)
     with pytest.raises(RunnerError, match="cannot cut its KV cache back"):
         # a random model rejects some draft within 200 tokens: the cut-back is needed
-        speculative_generate(_NoCutBack(model), _prompts()[0] * 2, 200, draft=DraftLength(k=8, max_k=8))
+        speculative_generate(_NoCutBack(model), _prompts()[0] * 2, 200, draft=_fixed(prior_acceptance=0.9))
+
+
+def test_a_runner_without_a_verification_path_refuses_to_decode_speculatively(family_model):
+    """Runners whose several-token calls are not bit for bit one-token calls (eager; ONNX Runtime's fused
+    graph, whose prefill path and GroupQueryAttention sum in another order) refuse with the reason."""
+    _, model = family_model
+    with pytest.raises(RunnerError, match="bit for bit"):
+        EagerRunner(model).speculative_runner()

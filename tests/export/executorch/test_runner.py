@@ -1,8 +1,10 @@
 """ExecuTorch's C++ text runner (TextLLMRunner) against our Python loop over the same .pte, the
 fallback when it cannot be used, and the Python runner's prefill/position limits.
 
-One tiny fp32 export (about 20 s) is shared by the module; SmolLM2's tokenizer, so the C++
-tokenizer reads a real byte-level BPE ``tokenizer.json``."""
+One tiny fp32 export (about 30 s) is shared by the module; SmolLM2's tokenizer, so the C++
+tokenizer reads a real byte-level BPE ``tokenizer.json``. The program carries the ``verify`` method
+(``verify_tokens``) beside ``forward``: ExecuTorch's C++ runner must still run it plainly, and
+``optimize run --speculative ngram`` must give the plain answer."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def pte(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("et_runner")
-    res = ExecuTorchExporter().export(tiny.model, tiny.tokenizer, out, {"max_seq_len": MAX_SEQ_LEN},
+    res = ExecuTorchExporter().export(tiny.model, tiny.tokenizer, out, {"max_seq_len": MAX_SEQ_LEN, "verify_tokens": 5},
                                       log=lambda *a: None)
     return res.artifact
 
@@ -88,6 +90,23 @@ def test_optimize_run_uses_the_llm_runner_and_streams_the_loops_text(pte, capsys
 
 
 @pytest.mark.slow
+def test_optimize_run_speculative_gives_the_plain_answer(pte, capsys):
+    """--speculative ngram: the Python loop through verify, the same text as plain decoding, and one line
+    of what the drafts did; with --runner llm it is refused in one line (exit 2), before decoding."""
+    from optimize.cli import main
+
+    prompt = PROMPT + " " + PROMPT  # a prompt that repeats itself gives lookup something to draft from
+    plain = generate_from_artifact(pte, prompt, max_new_tokens=20, runner="python", stream=None)
+    capsys.readouterr()
+    fast = generate_from_artifact(pte, prompt, max_new_tokens=20, speculative="ngram", stream=None)
+    assert fast == plain and fast
+    err = capsys.readouterr().err
+    assert "[speculative ngram]" in err and "tokens in" in err and "TextLLMRunner" not in err
+    assert main(["run", str(pte), "--prompt", "hi", "--speculative", "ngram", "--runner", "llm"]) == 2
+    assert "drop --runner llm" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_pipeline_verification_reports_the_llm_runner(pte, tiny):
     """The export row's verification runs the .pte through the C++ runner too: its greedy tokens
     against the Python loop's and its own stats land in the row's details beside the loop's figures."""
@@ -109,6 +128,12 @@ def test_pipeline_verification_reports_the_llm_runner(pte, tiny):
     assert rep["stats"]["generated_tokens"] == 4 and metrics.decode_tok_s is not None
     assert details["greedy"]["match"]  # the Python loop against eager, as before
     assert any("ExecuTorch C++ runner: greedy matches the Python loop" in s for s in said), said
+    # the program carries verify: prompt lookup through it is checked against plain greedy of the program
+    spec = details["speculative"]
+    assert spec["match"] and spec["method"] == "verify" and spec["verify_tokens"] == 5, spec
+    said_twice = 2 * min(32, state.prompt.numel())
+    assert spec["tokens"] == min(64, MAX_SEQ_LEN - said_twice) and spec["calls"] <= spec["tokens"]
+    assert any("speculative decoding (prompt lookup through verify)" in s for s in said), said
 
 
 @pytest.mark.slow

@@ -56,6 +56,16 @@ def test_forward_all_returns_every_position_as_forward_does_one_at_a_time(scored
     assert (at_once - one_by_one).abs().max().item() <= 1e-4 * scale
 
 
+def test_speculative_decoding_is_refused_without_the_verify_method(scored):
+    """forward_all's several-token calls attend a block of rows at once, which does not give one-token
+    calls' logits bit for bit: speculative decoding asks for verify and names the option."""
+    from export.runtime import RunnerError
+
+    _, res = scored
+    with pytest.raises(RunnerError, match="verify_tokens"):
+        ExecuTorchRunner(res.artifact).speculative_runner()
+
+
 def test_truncate_continues_from_the_cut_as_a_fresh_run(scored):
     _, res = scored
     r = ExecuTorchRunner(res.artifact).scoring_runner()
