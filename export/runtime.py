@@ -37,6 +37,9 @@ class Runner(abc.ABC):
     runtime: str = "runner"
     #: largest total sequence (prompt + generated) the runner can hold, or None if unbounded
     max_seq_len: int | None = None
+    #: speculative decoding's draft policy for this runner (:class:`export.speculative.DraftLength`),
+    #: kept across generations: the call times it measures are this artifact's
+    draft_policy = None
 
     @abc.abstractmethod
     def reset(self) -> None:

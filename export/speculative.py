@@ -112,15 +112,20 @@ class DraftLength:
     probe_every: int = 16
     #: time the calls (True), or price a call of k + 1 tokens at 1 + cost_per_token * k
     measure: bool = True
-    cost_per_token: float = 0.15
+    #: the price line until calls are timed (a .pte's verify costs about this much a row; docs/executorch.md)
+    cost_per_token: float = 0.3
+    #: a draft must promise this many times a plain step's tokens per second: a gain within the noise
+    #: of the estimates is a loss on average, since a wrong draft costs its whole call
+    min_gain: float = 1.05
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         if not 0.0 < self.prior_acceptance < 1.0:
             raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
-        if not 0.0 < self.rate <= 1.0 or self.probe_every < 1:
-            raise ValueError(f"need 0 < rate <= 1 and probe_every >= 1, got {self.rate}, {self.probe_every}")
+        if not 0.0 < self.rate <= 1.0 or self.probe_every < 1 or self.min_gain <= 0:
+            raise ValueError(f"need 0 < rate <= 1, probe_every >= 1 and min_gain > 0, got {self.rate}, "
+                             f"{self.probe_every}, {self.min_gain}")
         self.acceptance: dict = {}
         #: fed tokens -> exponential average of one call's seconds
         self.seconds: dict[int, float] = {}
@@ -138,7 +143,7 @@ class DraftLength:
         if available <= 0:
             return 0
         a = self.acceptance.get(source, self.prior_acceptance)
-        best_k, best = 0, 1.0
+        best_k, best = 0, self.min_gain
         for k in range(1, min(self.max_k, available) + 1):
             kept = (1.0 - a ** (k + 1)) / (1.0 - a) if a < 1.0 else k + 1.0
             gain = kept / self.cost(k + 1)
@@ -208,13 +213,16 @@ def speculative_generate(
     each; returns the new ids (exactly :func:`~export.runtime.greedy_generate`'s) and the stats.
 
     The runner must return every fed position's logits (``forward(..., all_logits=True)``) and cut
-    its cache back exactly (``truncate``); a runner that cannot is refused with the reason."""
+    its cache back exactly (``truncate``); a runner that cannot is refused with the reason. Without a
+    ``draft`` policy the runner's own (``runner.draft_policy``) is used and kept, so what one
+    generation measured of the call times and acceptance serves the next."""
     ids = checked_prompt(runner, prompt_ids, "speculative_generate").tolist()
     limit = runner.max_seq_len
     #: the most tokens one verification call takes (a .pte's verify method), None where unbounded
     widest = getattr(runner, "verify_tokens", None)
     drafter = drafter if drafter is not None else NgramDrafter()
-    draft = draft if draft is not None else DraftLength()
+    if draft is None:  # the runner's own policy, kept across generations: its call times are the program's
+        draft = runner.draft_policy = runner.draft_policy or DraftLength()
     eos = {int(e) for e in eos_token_ids}
     stats = SpeculativeStats()
     out: list[int] = []

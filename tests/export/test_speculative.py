@@ -120,7 +120,8 @@ def test_the_same_tokens_as_plain_greedy(family_model, max_seq_len, max_new):
         if max_seq_len is not None and len(prompt) >= max_seq_len:
             continue
         plain = greedy_generate(runner, prompt, max_new)
-        fast, stats = speculative_generate(runner, prompt, max_new, draft=_fixed())
+        # drafts priced cheap, so they keep coming: the equality is over many verified drafts
+        fast, stats = speculative_generate(runner, prompt, max_new, draft=_fixed(cost_per_token=0.05))
         assert fast == plain, (family, prompt[:6])
         if max_seq_len is not None:  # ran until the cache was full, as plain decoding does
             assert len(plain) == max_seq_len - len(prompt) + 1
@@ -177,3 +178,17 @@ def test_a_runner_without_a_verification_path_refuses_to_decode_speculatively(fa
     _, model = family_model
     with pytest.raises(RunnerError, match="bit for bit"):
         EagerRunner(model).speculative_runner()
+
+
+def test_the_runner_keeps_its_draft_policy_across_generations(family_model):
+    """Without a policy given, the runner's own is made once and kept: the call times and acceptance one
+    generation measured serve the next (a short answer would otherwise spend itself learning them)."""
+    _, model = family_model
+    runner = EagerRunner(model)
+    assert runner.draft_policy is None
+    speculative_generate(runner, _prompts()[1], 20)
+    policy = runner.draft_policy
+    assert isinstance(policy, DraftLength) and policy.seconds.get(1) and policy.acceptance
+    speculative_generate(runner, _prompts()[2], 20)
+    assert runner.draft_policy is policy
+    assert EagerRunner(model).draft_policy is None  # per runner, not per class
