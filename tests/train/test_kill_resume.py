@@ -57,6 +57,7 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, th):
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(1.2)
 @pytest.mark.timeout(420)
 def test_sigkill_mid_curriculum_then_resume_matches_uninterrupted(tmp_path, th, long_sequences_run):
     """examples/train/long_sequences.yaml (window, global tokens, chunked loss, checkpointing,

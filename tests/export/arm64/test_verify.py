@@ -89,6 +89,7 @@ def test_pte_verifies_on_a76_and_armv9_and_dies_of_sigill_on_the_pi4_core(arm64_
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(1.3)
 def test_optimize_verify_cli(arm64_env, tiny_onnx, capsys, tmp_path):
     from optimize.cli import main
 

@@ -140,6 +140,7 @@ def test_exported_graph_has_one_linear_per_group(quantized):
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(1.1)
 def test_pte_matches_the_unfused_program(lower_variants):
     """The fused 8da4w program gives the unfused program's logits, with 3 fewer linears a layer
     and no more delegate calls or portable kernels."""

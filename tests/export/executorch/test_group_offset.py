@@ -100,6 +100,7 @@ def test_exported_graph_merges_the_shared_offset_paths():
 
 
 @pytest.mark.slow
+@pytest.mark.minutes(1.3)
 @pytest.mark.parametrize("offset", ["int8", "fp32"])
 def test_pte_gives_the_eager_logits(offset, tmp_path):
     from export.executorch.exporter import ExecuTorchOptions, lower_to_pte
