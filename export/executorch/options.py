@@ -176,6 +176,10 @@ def model_problems(config: Any, opts: ExecuTorchOptions) -> list[str]:
         problems.append(f"verify_tokens: sliding-window layers (window {plan.windows[0]} < max_seq_len={n}) keep a "
                         "ring cache, which cannot be cut back after a rejected draft; export without verify_tokens, "
                         f"or with max_seq_len <= {plan.windows[0]}")
+    if opts.verify_tokens and plan.softcap is not None:
+        problems.append("verify_tokens: this model soft-caps its attention logits, which the exporter runs in plain ops "
+                        "over a whole call, not row by row as verify needs to match one-token calls bit for bit; "
+                        "export without verify_tokens")
     hidden = int(getattr(cfg, "hidden_size", 0) or 0)
     if opts.quantize == "8da4w" and hidden:
         why = group_size_error(opts.group_size)

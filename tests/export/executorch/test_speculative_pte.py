@@ -148,6 +148,11 @@ def test_validate_refuses_verify_tokens_with_a_ring_cache():
     problems = model_problems(config, ExecuTorchOptions(max_seq_len=96, verify_tokens=5))
     assert any("verify_tokens" in p and "ring cache" in p for p in problems), problems
     assert not model_problems(config, ExecuTorchOptions(max_seq_len=32, verify_tokens=5))
+    # Gemma-2's soft-capped attention runs in plain ops over the whole call: not row by row, so refused
+    cfg = dict(TINY_CONFIGS["gemma2"])
+    gemma2 = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    assert any("soft-caps" in p for p in model_problems(gemma2, ExecuTorchOptions(max_seq_len=96, verify_tokens=5)))
+    assert not model_problems(gemma2, ExecuTorchOptions(max_seq_len=96))
 
 
 def test_verify_tokens_is_bounded_by_the_schema():
