@@ -37,6 +37,8 @@ class Runner(abc.ABC):
     runtime: str = "runner"
     #: largest total sequence (prompt + generated) the runner can hold, or None if unbounded
     max_seq_len: int | None = None
+    #: the most tokens one call of speculative_runner()'s verification path takes (None: unbounded)
+    verify_tokens: int | None = None
     #: speculative decoding's draft policy for this runner (:class:`export.speculative.DraftLength`),
     #: kept across generations: the call times it measures are this artifact's
     draft_policy = None
@@ -193,6 +195,13 @@ def greedy_generate(
             break
         logits = runner.forward(torch.tensor([nxt], dtype=torch.long), all_logits=False)
     return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token sequences differ (the shorter one's length where one is a prefix
+    of the other), or None where they are equal."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return min(len(a), len(b)) if at is None and len(a) != len(b) else at
 
 
 class EagerRunner(Runner):

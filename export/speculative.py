@@ -218,8 +218,7 @@ def speculative_generate(
     generation measured of the call times and acceptance serves the next."""
     ids = checked_prompt(runner, prompt_ids, "speculative_generate").tolist()
     limit = runner.max_seq_len
-    #: the most tokens one verification call takes (a .pte's verify method), None where unbounded
-    widest = getattr(runner, "verify_tokens", None)
+    widest = runner.verify_tokens  # the most tokens one verification call takes (None: unbounded)
     drafter = drafter if drafter is not None else NgramDrafter()
     if draft is None:  # the runner's own policy, kept across generations: its call times are the program's
         draft = runner.draft_policy = runner.draft_policy or DraftLength()

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from export.runtime import Runner, greedy_generate
+from export.runtime import Runner, first_divergence, greedy_generate
 
 
 def _ids(x: Iterable[int] | torch.Tensor) -> torch.Tensor:
@@ -88,9 +88,7 @@ def greedy_match(ref: Runner, test: Runner, prompt_ids, n: int) -> dict:
     prompt = _ids(prompt_ids)
     r = greedy_generate(ref, prompt, n)
     t = greedy_generate(test, prompt, n)
-    diverged = next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), None)
-    if diverged is None and len(r) != len(t):
-        diverged = min(len(r), len(t))
+    diverged = first_divergence(r, t)
     return {"match": diverged is None, "diverged_at": diverged, "ref_ids": r, "test_ids": t}
 
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from export.runtime import EagerRunner, Runner, greedy_generate
+from export.runtime import EagerRunner, Runner, first_divergence, greedy_generate
 from export.verify import greedy_match, logits_parity
 from optimize.checks import baseline_cache
 from optimize.checks.accuracy import BaselineLogits, evaluate
@@ -159,10 +159,8 @@ def speculative_compare(runner: Runner, state: RunState) -> dict | None:
         n = min(n, runner.max_seq_len - len(prompt))
     plain = greedy_generate(runner, prompt, n)
     got, stats = speculative_generate(fast, prompt, n, draft=DraftLength(measure=False))
-    diverged = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), None)
-    if diverged is None and len(got) != len(plain):
-        diverged = min(len(got), len(plain))
-    return {"method": "verify", "verify_tokens": getattr(fast, "verify_tokens", None),
+    diverged = first_divergence(got, plain)
+    return {"method": "verify", "verify_tokens": fast.verify_tokens,
             "tokens": len(plain), "match": diverged is None, "diverged_at": diverged, **stats.as_dict()}
 
 

@@ -44,19 +44,17 @@ def _program_calls(prog, method: str = "forward") -> dict:
 
 
 def _graph_ops(gm: torch.fx.GraphModule) -> Counter:
-    """Operators called by ``gm`` and by the branches of its control flow (``torch.cond`` subgraphs)."""
-    return Counter(str(n.target) for m in gm.modules() if isinstance(m, torch.fx.GraphModule)
-                   for n in m.graph.nodes if n.op == "call_function")
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
 def _check_custom_ops(ep: torch.export.ExportedProgram, plan, rows: int = 1) -> dict:
     """The exported graph must update the cache through ExecuTorch's LLM ops (twice per layer) and
     attend with ``llama::custom_sdpa`` once per layer (soft-capped models: with the plain-op
     fallback), and run no transformers SDPA or KV ``index_put``: refuse a program that silently
-    fell back. The verify method attends ``rows`` times a layer (one query row a call), ring layers once."""
+    fell back. The verify method attends ``rows`` times a layer, one query row a call (ring and
+    soft-capped models get no verify method: ``model_problems`` refuses them)."""
     n_layers = len(plan.layers)
-    rings = sum(p.ring for p in plan.layers)
-    want_sdpa = 0 if plan.softcap is not None else (n_layers - rings) * rows + rings
+    want_sdpa = 0 if plan.softcap is not None else n_layers * rows
     ops = _graph_ops(ep.graph_module)
     sdpa = sum(v for k, v in ops.items() if "llama.custom_sdpa" in k)
     upd = sum(v for k, v in ops.items() if "llama.update_cache" in k)

@@ -219,7 +219,7 @@ def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
         mask = state.ring_masks[plan.window] if plan.ring else state.full_mask
         return softcapped_attention(query, key, value, mask, scaling, float(kwargs["softcap"])), None
     q = query.transpose(1, 2)
-    if state.verify_rows is not None and not plan.ring:
+    if state.verify_rows is not None:  # never a ring: model_problems refuses verify_tokens beside one
         return rowwise_sdpa(q, key, value, state.start_pos, state.n_tokens, state.verify_rows, scaling), None
     if plan.ring:
         out = torch.ops.llama.custom_sdpa(q, key, value, 0, state.ring_masks[plan.window], 0.0, False, scaling)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from export.executorch.blas_threads import serial_torch, warn_if_threaded
-from export.runtime import Runner, RunnerError, greedy_generate
+from export.runtime import Runner, RunnerError, first_divergence, greedy_generate
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,6 @@ class ExecuTorchRunner(Runner):
         self._llm = None
         #: the verify method, bound by speculative_runner(): several tokens a call, one-token logits
         self._verify = None
-        self.verify_tokens: int | None = None
 
     def _bind(self, method: str) -> None:
         """Load ``method`` (a KV-cache forward: ``forward``, or the exporter's ``forward_all``) and read
@@ -218,17 +217,11 @@ class ExecuTorchRunner(Runner):
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)
         t = int(ids.numel())
-        if self._verify is not None and all_logits and 1 < t <= self.verify_tokens:
-            pos = torch.arange(self._pos, self._pos + t, dtype=torch.long)
-            with serial_torch():
-                try:
-                    logits = self._verify.execute([ids.reshape(1, t), pos])[0]
-                except Exception as exc:
-                    raise RunnerError(f"{self.path.name}: verify of {t} tokens at position {self._pos} failed: {exc}") from None
-            self._pos += t
-            return logits.reshape(t, -1).float()
+        # a draft of 2..verify_tokens tokens goes through verify in one call (every position, one-token logits)
+        verifying = self._verify is not None and all_logits and 1 < t <= self.verify_tokens
+        method, name = (self._verify, VERIFY_METHOD) if verifying else (self._method, "forward")
         # a last-position-only program scores every position only when fed one token at a time
-        step = self.max_chunk if (self.all_positions or not all_logits) else 1
+        step = t if verifying else self.max_chunk if (self.all_positions or not all_logits) else 1
         outs = []
         with serial_torch():  # export/executorch/blas_threads.py: MKL must not thread inside custom_sdpa
             for start in range(0, t, step):
@@ -237,9 +230,9 @@ class ExecuTorchRunner(Runner):
                 pos = (torch.arange(self._pos, self._pos + n, dtype=torch.long) if self._pos_is_range
                        else torch.tensor([self._pos], dtype=torch.long))
                 try:
-                    logits = self._method.execute([chunk.reshape(1, n), pos])[0]
+                    logits = method.execute([chunk.reshape(1, n), pos])[0]
                 except Exception as exc:
-                    raise RunnerError(f"{self.path.name}: forward of {n} tokens at position {self._pos} failed: {exc}") from None
+                    raise RunnerError(f"{self.path.name}: {name} of {n} tokens at position {self._pos} failed: {exc}") from None
                 self._pos += n
                 logits = logits.reshape(-1, logits.shape[-1])
                 # the last row copied: a view would keep each call's positions x vocab logits alive
@@ -313,9 +306,7 @@ class ExecuTorchRunner(Runner):
             gen = llm.generate(text, max(1, min(greedy_tokens, self.max_seq_len - len(llm.encode(text, num_bos)) - 1)),
                                num_bos=num_bos)
             ref = greedy_generate(self, gen.prompt_ids, len(gen.ids), eos_token_ids=self.meta.get("get_eos_ids", []))
-            diverged = next((i for i, (a, b) in enumerate(zip(gen.ids, ref)) if a != b), None)
-            if diverged is None and len(gen.ids) != len(ref):
-                diverged = min(len(gen.ids), len(ref))
+            diverged = first_divergence(gen.ids, ref)
             text, num_bos = llm.prompt_for(tokenizer, prompt, strict=False)
             stats = llm.timed(text, max(1, min(decode_tokens, room)), num_bos=num_bos, runs=runs, warmup=warmup)
         except (LLMRunnerUnavailable, RunnerError) as exc:  # e.g. a prompt the cache cannot hold
