@@ -104,6 +104,8 @@ def test_optimize_run_speculative_gives_the_plain_answer(pte, capsys):
     assert "[speculative ngram]" in err and "tokens in" in err and "TextLLMRunner" not in err
     assert main(["run", str(pte), "--prompt", "hi", "--speculative", "ngram", "--runner", "llm"]) == 2
     assert "drop --runner llm" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="speculative must be off or ngram, got 'draft'"):
+        generate_from_artifact(pte, "hi", speculative="draft", stream=None)
 
 
 @pytest.mark.slow
