@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--device-profile", help="device profile whose core to emulate (see `optimize ls devices`)")
     s.add_argument("--prompts", type=int, default=2, help="greedy prompts (32 tokens each, from the reference text)")
     s.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
-    s.add_argument("--windows", type=int, default=8,
+    s.add_argument("--windows", type=int, default=24,
                    help="perplexity windows; fewer make the 1%% tolerance noise (docs/devices.md)")
     s.add_argument("--window-tokens", type=int, default=128, help="tokens per perplexity window")
     s.add_argument("--ppl-tolerance", type=float, default=1.0, help="largest perplexity difference from x86-64, %%")

@@ -77,16 +77,17 @@ def probe(artifact: Path, prompts: list[list[int]], new_tokens: int, windows: li
         rec = _Recording(runner)
         greedy.append(greedy_generate(rec, prompt, new_tokens))
         step_logits[f"greedy{i}"] = torch.stack(rec.steps[: len(greedy[-1])]).numpy()
-    nll, tokens = 0.0, 0
+    nll, tokens, per_window = 0.0, 0, []
     for i, window in enumerate(windows):
         ids = torch.tensor(window, dtype=torch.long)
         runner.reset()
         logits = runner.forward(ids[:-1], all_logits=True).float()
-        nll += float(F.cross_entropy(logits, ids[1:], reduction="sum"))
+        per_window.append(float(F.cross_entropy(logits, ids[1:], reduction="sum")))
+        nll += per_window[-1]
         tokens += ids.numel() - 1
         step_logits[f"window{i}"] = logits.numpy()
     np.savez(out, **step_logits)
-    return {"runtime": runner.runtime, "greedy": greedy, "nll": nll, "tokens": tokens,
+    return {"runtime": runner.runtime, "greedy": greedy, "nll": nll, "tokens": tokens, "window_nll": per_window,
             "perplexity": float(np.exp(nll / tokens)) if tokens else None,
             "seconds": {"load": round(t_load, 2), "total": round(time.perf_counter() - t0, 2)}}
 

@@ -110,6 +110,7 @@ def _compare(host: dict, guest: dict, h, g, ppl_tolerance_pct: float) -> dict:
     greedy = [_divergence(hi, gi, h[f"greedy{i}"], tie) for i, (hi, gi) in enumerate(zip(host["greedy"], guest["greedy"]))]
     ppl_h, ppl_g = host["perplexity"], guest["perplexity"]
     rel = abs(ppl_g - ppl_h) / ppl_h * 100 if ppl_h else 0.0
+    se = _paired_se_pct(host.get("window_nll"), guest.get("window_nll"), host.get("tokens"))
     worst = float(per_position.max()) if per_position.size else None
     greedy_ok = all(d["equal"] or d.get("near_tie") for d in greedy)
     ppl_ok = ppl_h is None or rel <= ppl_tolerance_pct
@@ -118,15 +119,29 @@ def _compare(host: dict, guest: dict, h, g, ppl_tolerance_pct: float) -> dict:
                       "emulated_seconds": guest["seconds"]},
             "greedy": greedy,
             "perplexity": {"host": ppl_h, "guest": ppl_g, "rel_diff_pct": round(rel, 4),
-                           "tolerance_pct": ppl_tolerance_pct, "ok": ppl_ok},
+                           "tolerance_pct": ppl_tolerance_pct, "ok": ppl_ok,
+                           "windows": len(host.get("window_nll") or []), "se_pct": se},
             "logits": {"max_abs_diff": None if worst is None else round(worst, 5),
                        "median_position_max_abs_diff": round(tie, 5), "scale": round(scale, 4),
                        "max_abs_diff_pct_of_scale": None if worst is None else round(worst / scale * 100, 3)}}
 
 
+def _paired_se_pct(host: list[float] | None, guest: list[float] | None, tokens: int | None) -> float | None:
+    """The standard error, in percent of perplexity, of the two builds' difference, from how it varies
+    window to window: how far apart two builds that compute the same model land on this many windows
+    (a 4-bit model's builds round differently and differ by a few percent a window either way)."""
+    if not host or not guest or len(host) != len(guest) or len(host) < 2 or not tokens:
+        return None
+    per_token = np.array(guest) - np.array(host)  # each window's NLL difference (sums)
+    n = len(per_token)
+    # the per-token mean difference is sum(d) / tokens; its spread across equal windows gives the error
+    se_nats = float(np.std(per_token, ddof=1)) * np.sqrt(n) / tokens
+    return round(float(np.expm1(se_nats)) * 100, 4)
+
+
 def verify_artifact(artifact: str | Path, *, cpu: str | None = None, device: str | None = None,
                     corpus: str = "pydoc", prompts: int = 2, prompt_tokens: int = 32, new_tokens: int = 16,
-                    windows: int = 8, window_tokens: int = 128, ppl_tolerance_pct: float = 1.0,
+                    windows: int = 24, window_tokens: int = 128, ppl_tolerance_pct: float = 1.0,
                     threads: int = 2) -> dict:
     """:func:`verify_on_arm64` on text: the tokenizer beside ``artifact`` tokenizes ``corpus``;
     the windows are its first tokens (the project's evaluation span), the prompts start at token
@@ -176,7 +191,8 @@ def summary(report: dict) -> str:
                          f"near-tie threshold {d['tie_threshold']}: {'near-tie, accepted' if d['near_tie'] else 'NOT a tie'})")
     p = report["perplexity"]
     if p["host"] is not None:
-        lines.append(f"  perplexity {p['guest']:.4f} vs {p['host']:.4f} on x86-64 ({p['rel_diff_pct']:.3f}%, "
+        se = f" ± {p['se_pct']:.2f}% standard error over {p['windows']} windows" if p.get("se_pct") is not None else ""
+        lines.append(f"  perplexity {p['guest']:.4f} vs {p['host']:.4f} on x86-64 ({p['rel_diff_pct']:.3f}%{se}, "
                      f"tolerance {p['tolerance_pct']}%)")
     lines.append(f"  logits: largest difference {report['logits']['max_abs_diff_pct_of_scale']}% of their scale")
     lines.append(f"  {'verified' if report['verified'] else 'NOT verified'} on {report['where']}")

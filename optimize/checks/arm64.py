@@ -49,7 +49,7 @@ def measure_arm64(check: Arm64Check, path: Path, prompt, eval_windows, max_seq_l
     ids = [int(t) for t in prompt.reshape(-1)]
     prompts = [ids[i * plen:(i + 1) * plen] for i in range(check.prompts) if len(ids) >= (i + 1) * plen] or (
         [ids[:plen]] if check.prompts else [])
-    windows = [[int(t) for t in w.reshape(-1)[: window + 1]] for w in eval_windows[: check.windows]]
+    windows = _cut(eval_windows, window, check.windows)
     out = []
     for cpu in cores(check, device):
         say(f"{Path(path).name}: verifying on emulated {cpu} (ARM64 build of its runtime)")
@@ -58,6 +58,19 @@ def measure_arm64(check: Arm64Check, path: Path, prompt, eval_windows, max_seq_l
         for line in summary(rep).splitlines()[1:]:
             say(f"  {line.strip()}")
         out.append(rep)
+    return out
+
+
+def _cut(eval_windows, window: int, count: int) -> list[list[int]]:
+    """``count`` windows of ``window`` targets, in order, from the run's evaluation windows (each cut in as
+    many as it holds): the check's perplexity text is the start of the row's own."""
+    out: list[list[int]] = []
+    for w in eval_windows:
+        ids = [int(t) for t in w.reshape(-1)]
+        for start in range(0, len(ids) - window, window):
+            if len(out) == count:
+                return out
+            out.append(ids[start:start + window + 1])
     return out
 
 

@@ -34,6 +34,35 @@ def test_divergence_is_accepted_only_at_a_near_tie():
     assert _divergence([1, 2], [1, 2, 3], steps, tie=0.1)["equal"] is False  # a run that stopped early
 
 
+def test_the_perplexity_comparison_states_its_standard_error():
+    """Two builds of a 4-bit model land a few percent apart window by window, either way: the report gives
+    the standard error of the difference over the windows, from that spread (here 0.05 nats/token a window
+    over 16 windows of 128: about 1.25%, so 8 windows would be +-1.8% and 24 about +-1%)."""
+    from export.arm64.verify import _paired_se_pct
+
+    rng = np.random.default_rng(0)
+    host = list(3.0 * 128 + rng.normal(0, 1, 16))
+    spread = rng.normal(0, 0.05 * 128, 16)
+    guest = [h + d for h, d in zip(host, spread)]
+    se = _paired_se_pct(host, guest, 16 * 128)
+    assert se == pytest.approx(100 * np.expm1(np.std(spread, ddof=1) / np.sqrt(16) / 128), rel=1e-3)
+    assert 0.8 < se < 1.8
+    assert _paired_se_pct(host, host, 16 * 128) == 0.0
+    assert _paired_se_pct(host[:1], guest[:1], 128) is None and _paired_se_pct(None, guest, 128) is None
+
+
+def test_the_checks_windows_are_cut_in_order_from_the_evaluation_windows():
+    import torch
+
+    from optimize.checks.arm64 import _cut
+
+    evals = [torch.arange(0, 513), torch.arange(513, 1026)]
+    wins = _cut(evals, 128, 6)
+    assert len(wins) == 6 and all(len(w) == 129 for w in wins)
+    assert wins[0][:2] == [0, 1] and wins[3][-1] == 512 and wins[4][0] == 513  # four a window of 512, then the next
+    assert len(_cut(evals, 128, 100)) == 8
+
+
 def test_bad_requests_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError):
         verify_on_arm64(tmp_path / "nope.pte", prompts=[[1]], windows=[])
