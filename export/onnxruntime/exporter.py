@@ -27,6 +27,7 @@ import torch
 from targets.atomic import sha256_file
 from targets.moe import export_form
 from export.base import ExportError, ExportResult, Exporter
+from export.onnxruntime.verify_rows import VERIFY
 from export.onnxruntime.dynamo import calibration_windows as _calibration, io_names as _io_names, quantize_graph as _quantize
 from export.onnxruntime.dynamo import torch_export as _torch_export
 from export.onnxruntime.package import _ship, _versions, check_onnx
@@ -138,6 +139,9 @@ class OnnxRuntimeExporter(Exporter):
                             build_timings_s=info["timings_s"], head=head, **_graph_io(stage / MODEL_FILE))
             if "decode_ops" in info:
                 manifest["decode_ops"] = info["decode_ops"]
+            if opts.verify_tokens:  # what speculative_runner() reads (export/onnxruntime/verify_rows.py)
+                manifest["verify"] = {"input": VERIFY, "max_tokens": opts.verify_tokens,
+                                      "attention_nodes": installed.get("verify_rows_attention", 0)}
             return manifest
 
         # a mixture of experts traced in the dense form (every expert on every token, weighted by its

@@ -39,6 +39,7 @@ from export.base import ExportError
 from export.onnxruntime.int8_format import u8u8_arrays
 from export.onnxruntime.decode_branch import Chain, add_decode_branch, all_nodes
 from export.onnxruntime.last_logits import split_head
+from export.onnxruntime.verify_rows import ROW_EXACT_BLOCK, add_verify_rows
 from export.onnxruntime.plan import FusedPlan, LinearPlan, _kind, _linears, plan_model, write_hf_dir  # noqa: F401
 from export.onnxruntime.weights import BlockQuant, cat_rows, int8_columns, nbits_arrays, rtn_int8_rows
 
@@ -123,8 +124,9 @@ class _Graph:
             self.inits.pop(t.name, None)
 
 
-def _nbits_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, acc: int, prefix: str) -> list[onnx.NodeProto]:
-    packed, scales, zp, block = nbits_arrays(bq)
+def _nbits_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, acc: int, prefix: str,
+                 exact_rows: bool = False) -> list[onnx.NodeProto]:
+    packed, scales, zp, block = nbits_arrays(bq, max_block=ROW_EXACT_BLOCK[bq.bits] if exact_rows else None)
     n, k = bq.shape
     inputs = [node.input[0], gr.add(packed, prefix + ".qweight"), gr.add(scales, prefix + ".scales")]
     if zp is not None:
@@ -184,10 +186,14 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
 
         s = (max(x_row, 0) - min(x_row, 0)) / 255;  z = round(-min(x_row, 0) / s)
         x_q = QuantizeLinear(x, s, z)                       (one block = one row, opset 21)
-        y = s * s_col * (MatMulInteger(x_q, W_q) - z * colsum(W_q))
+        y = float(MatMulInteger(x_q, W_q) - z * colsum(W_q)) * (s * s_col)
 
     ``MatMulInteger`` takes only a scalar activation zero point, so the per-row zero point is
-    applied after the integer product through the weight's column sums. ``unsigned`` (u8u8, see
+    applied after the integer product through the weight's column sums, in int32 (exact). The
+    float tail is ``DynamicQuantizeMatMul``'s own arithmetic, the integer sum times the product of
+    the two scales: so a row of a several-token call gives the bits a one-token call's fused kernel
+    gives (the decode branch), which speculative decoding's verification needs
+    (:mod:`export.onnxruntime.verify_rows`). ``unsigned`` (u8u8, see
     :mod:`export.onnxruntime.int8_format`) stores ``W_q + 128`` as uint8 with zero point 128."""
     wq, ws = int8_columns(bq)
     c = _per_token_consts(gr)
@@ -197,7 +203,7 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
     else:
         w, wz = gr.add(wq, prefix + ".w_int8"), None
     s_col = gr.add(ws, prefix + ".w_scale")
-    colsum = gr.add(wq.astype(np.float32).sum(axis=0), prefix + ".w_colsum")
+    colsum = gr.add(wq.astype(np.int64).sum(axis=0).astype(np.int32), prefix + ".w_colsum")
     x, y, k = node.input[0], node.output[0], bq.shape[1]
     t = lambda s: f"{node.name}/pt/{s}"  # noqa: E731
     mk = helper.make_node
@@ -215,25 +221,29 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
         mk("Cast", [t("z")], [t("zu8")], name=t("zu8"), to=TensorProto.UINT8),
         mk("QuantizeLinear", [x, t("s"), t("zu8")], [t("xq")], name=t("xq"), axis=-1, block_size=k),
         mk("MatMulInteger", [t("xq"), w] + (["", wz] if wz else []), [t("acc")], name=node.name + "Integer"),
-        mk("Cast", [t("acc")], [t("accf")], name=t("accf"), to=TensorProto.FLOAT),
-        mk("Mul", [t("z"), colsum], [t("zc")], name=t("zc")),
-        mk("Sub", [t("accf"), t("zc")], [t("acc0")], name=t("acc0")),
-        mk("Mul", [t("acc0"), t("s")], [t("rows")], name=t("rows")),
-        mk("Mul", [t("rows"), s_col], [y], name=t("cols")),
+        mk("Cast", [t("zu8")], [t("zi")], name=t("zi"), to=TensorProto.INT32),
+        mk("Mul", [t("zi"), colsum], [t("zc")], name=t("zc")),
+        mk("Sub", [t("acc"), t("zc")], [t("acc0")], name=t("acc0")),
+        mk("Cast", [t("acc0")], [t("accf")], name=t("accf"), to=TensorProto.FLOAT),
+        mk("Mul", [t("s"), s_col], [t("scales")], name=t("scales")),
+        mk("Mul", [t("accf"), t("scales")], [y], name=t("cols")),
     ]
     gr.chains.append(Chain(x, y, w, s_col, frozenset(n.name for n in nodes), wz))
     return nodes
 
 
 def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: Callable[[str], None], *,
-            decode_branch: bool = True, int8_format: dict | None = None, last_logits: bool = True) -> dict:
+            decode_branch: bool = True, int8_format: dict | None = None, last_logits: bool = True,
+            verify_rows: bool = False) -> dict:
     """Rewrite the builder's fp32 graph at ``src`` into ``dst`` (``model.onnx`` + ``.data``)
     with the planned kernels; returns what was installed (for the manifest). ``decode_branch``:
     per-token Linears run as one DynamicQuantizeMatMul each when one token is fed
     (:mod:`export.onnxruntime.decode_branch`). ``int8_format``: the resolved
     :func:`export.onnxruntime.int8_format.resolve_int8_format` for the per-token Linears
     (default u8s8). ``last_logits``: ``logits`` is the last position's and ``all_logits`` every
-    position's on request (:mod:`export.onnxruntime.last_logits`)."""
+    position's on request (:mod:`export.onnxruntime.last_logits`). ``verify_rows``: several-token
+    calls that give one-token calls' logits bit for bit on request (:mod:`export.onnxruntime.verify_rows`;
+    MatMulNBits blocks capped to the sizes whose kernels are row-exact)."""
     int8_format = int8_format or {"format": "u8s8", "why": "default"}
     unsigned = int8_format["format"] == "u8u8"
     proto = onnx.load(str(src), load_external_data=False)
@@ -266,7 +276,7 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
                                   f"integers of {[m for m, _ in pieces]}; refusing to install them")
         prefix = node.name[1:].replace("/", ".")
         try:
-            new = (_nbits_nodes(gr, node, bq, p0.accuracy_level, prefix) if p0.kernel == "nbits"
+            new = (_nbits_nodes(gr, node, bq, p0.accuracy_level, prefix, exact_rows=verify_rows) if p0.kernel == "nbits"
                    else _per_token_nodes(gr, node, bq, prefix, unsigned))
         except ValueError as exc:  # a layout ORT has no kernel for (e.g. a group size not a multiple of 16)
             raise ExportError(f"onnxruntime exporter: {[m for m, _ in pieces]}: {exc}") from None
@@ -288,13 +298,18 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
     gr.prune()
     head = split_head(proto, hidden, gr.chains) if last_logits and hidden else None
     branched = add_decode_branch(proto, gr.chains) if decode_branch else 0
+    verified = add_verify_rows(proto) if verify_rows else 0
+    if verify_rows and not verified:
+        raise ExportError("onnxruntime exporter: verify_tokens needs the fused graph's GroupQueryAttention; this graph "
+                          "has none")
     onnx.external_data_helper.load_external_data_for_model(proto, str(src.parent))
     dst.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(proto, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
               location=dst.name + ".data", size_threshold=1024)
     log(f"onnxruntime: installed {dict(installed) or 'no quantized'} MatMul kernels; embedding {emb}"
         + (f"; decode branch fuses {branched} per-token Linears" if branched else ""))
-    out = {"matmuls": dict(installed), "embedding": emb, "decode_branch_linears": branched, "head": head}
+    out = {"matmuls": dict(installed), "embedding": emb, "decode_branch_linears": branched, "head": head,
+           "verify_rows_attention": verified}
     if gr.chains:  # int8 weights against uint8 activations: say which integer GEMM runs them
         out["int8_format"] = int8_format
     return out

@@ -56,7 +56,8 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
     shutil.rmtree(hf)
     t2 = time.perf_counter()
     installed = install(built / "model.onnx", stage / "model.onnx", model, plan, log, decode_branch=opts.decode_branch,
-                        int8_format=opts.resolved_int8_format(), last_logits=opts.last_logits)
+                        int8_format=opts.resolved_int8_format(), last_logits=opts.last_logits,
+                        verify_rows=bool(opts.verify_tokens))
     t3 = time.perf_counter()
     for f in sorted(built.iterdir()):
         if f.is_file() and not f.name.startswith("model.onnx"):

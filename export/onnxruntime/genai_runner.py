@@ -11,6 +11,7 @@ artifact the way an app runs it.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
+from export.onnxruntime.verify_rows import VERIFY, has_verify_rows
 from export.runtime import Runner, RunnerError
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,12 @@ def _warn_on_saturating_int8(directory: Path) -> None:
     warn_if_saturates(fmt.get("format"), str(directory))
 
 
+def _graph_inputs(graph: bytes) -> list[str]:
+    import onnx
+
+    return [i.name for i in onnx.load_model_from_string(graph).graph.input]
+
+
 def _scoring_graph(model_file: Path) -> bytes | None:
     """The decoder graph with the split head (:mod:`export.onnxruntime.last_logits`), weights left
     in their external file, with ``return_all_logits`` a plain input instead of an initializer that
@@ -86,7 +94,7 @@ def _scoring_graph(model_file: Path) -> bytes | None:
     g = proto.graph
     if not split_head_io([i.name for i in g.input], [o.name for o in g.output]):
         return None
-    for t in [t for t in g.initializer if t.name == ASK]:
+    for t in [t for t in g.initializer if t.name in (ASK, VERIFY)]:  # the verification input likewise
         g.initializer.remove(t)
     return proto.SerializeToString()
 
@@ -114,6 +122,10 @@ class GenaiRunner(Runner):
         self.model, self.config = _load_model(self.path, self.threads, graph=self._graph)
         #: fed to every call by reference (set_model_input keeps the array's buffer): flipped per call
         self._ask = np.array(False)
+        #: the verification input, where the graph has one (fed true only by speculative_runner()'s calls)
+        self._verify = np.array(False)
+        self._verify_input = self._graph is not None and has_verify_rows(_graph_inputs(self._graph))
+        self._verifying = False
         self._og = og
         self.max_seq_len = int(max_seq_len or self.config["search"]["max_length"])
         #: onnxruntime-genai prefills in chunks of search.chunk_size and then returns only the last
@@ -134,6 +146,8 @@ class GenaiRunner(Runner):
             self._gen = self._og.Generator(self.model, params)
             if self.last_logits:
                 self._gen.set_model_input(ASK, self._ask)
+            if self._verify_input:
+                self._gen.set_model_input(VERIFY, self._verify)
         return self._gen
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
@@ -148,6 +162,8 @@ class GenaiRunner(Runner):
             if self.last_logits:
                 self._ask[...] = bool(all_logits)
                 head = ALL if all_logits else LAST
+            if self._verify_input:
+                self._verify[...] = self._verifying and all_logits and 1 < t <= (self.verify_tokens or 0)
             gen.append_tokens(ids.to(torch.int32).numpy())
             logits = gen.get_output(head)
         except Exception as exc:
@@ -157,6 +173,27 @@ class GenaiRunner(Runner):
         if not all_logits:  # a copy of the last row: a view would keep the call's positions x vocab logits alive
             return torch.from_numpy(np.array(logits[-1:]))
         return torch.from_numpy(np.ascontiguousarray(logits))
+
+    def speculative_runner(self) -> "GenaiRunner":
+        """This model with the graph's verification input true for calls of 2 to ``verify_tokens`` tokens that
+        ask for every position (export/onnxruntime/verify_rows.py): their rows are one-token calls' logits, bit
+        for bit; the cache is cut back with ``rewind_to``. Refused for an export without ``verify_tokens``."""
+        if self._verifying:
+            return self
+        from export.onnxruntime.runner import MANIFEST
+
+        try:
+            most = int(json.loads((self.path / MANIFEST).read_text())["verify"]["max_tokens"])
+        except (OSError, ValueError, KeyError, TypeError):
+            most = 0
+        if not self._verify_input or not most:
+            raise RunnerError(f"{self.path.name} has no verification input ({VERIFY}); export it with "
+                              "export.onnxruntime.verify_tokens (for example 5) to decode speculatively")
+        other = copy.copy(self)
+        other._ask, other._verify = np.array(False), np.array(False)  # its own generator's buffers
+        other._verifying, other.verify_tokens, other.draft_policy = True, most, None
+        other.reset()
+        return other
 
     def truncate(self, n: int) -> bool:
         """onnxruntime-genai's ``Generator.rewind_to(n)``: the KV buffers keep their first ``n`` positions."""

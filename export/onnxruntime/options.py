@@ -52,6 +52,13 @@ class OnnxRuntimeOptions(ExportOptions):
         "needs; onnxruntime-genai then allocates one row per call), and every position goes to all_logits only when "
         "the input return_all_logits is true (scoring); false: logits holds every position, as the builder writes it",
     )
+    verify_tokens: int | None = Field(
+        None, ge=2, le=32, description="fused graph: verification calls for speculative decoding (optimize run "
+        "--speculative): up to this many tokens a call, each position's logits bit for bit what a one-token call "
+        "gives, through the input verify_rows (each GroupQueryAttention attends row by row when it is true; "
+        "MatMulNBits blocks capped at 32 columns for 4 bits, 64 for 8, whose kernels are row-exact). It defaults "
+        "to false, so onnxruntime-genai and apps run the graph as before. null (default): not added",
+    )
     opset: int = Field(18, ge=18, le=23, description="ONNX opset of the dynamo graph (18..23)")
     external_data: Literal["auto", "always", "never"] = Field(
         "auto", description="weights in model.onnx.data; auto = when weights exceed 256 MiB"
@@ -171,11 +178,14 @@ def _resolve_graph(config, opts: OnnxRuntimeOptions) -> tuple[str, list[str]]:
 
 #: options only one graph reads: given for the other, they would be silently ignored
 _DYNAMO_ONLY = ("opset", "optimize_graph", "reduce_range", "calibrate_method", "calibration_windows")
-_FUSED_ONLY = ("accuracy_level", "int8_kernel", "decode_branch", "last_logits")
+_FUSED_ONLY = ("accuracy_level", "int8_kernel", "decode_branch", "last_logits", "verify_tokens")
 
 
 def _fused_option_problems(opts: OnnxRuntimeOptions) -> list[str]:
     problems = []
+    if opts.verify_tokens and not opts.last_logits:
+        problems.append("verify_tokens reads every position of a call from all_logits, which last_logits: false "
+                        "does not write; drop one of them")
     if opts.nodes_to_exclude:
         problems.append("nodes_to_exclude names nodes of the dynamo graph; on the fused graph use exclude_modules "
                         "(Hugging Face module patterns, e.g. '*.mlp.down_proj')")

@@ -5,6 +5,7 @@ or the torch.onnx one), or optimum-onnx's ``text-generation-with-past``."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ import torch
 from export.runtime import Runner, RunnerError
 from export.onnxruntime.int8_format import warn_if_saturates
 from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
+from export.onnxruntime.verify_rows import VERIFY, has_verify_rows
 
 MANIFEST = "manifest.json"
 GRAPH_LEVELS = ("disable", "basic", "extended", "all")
@@ -117,6 +119,11 @@ class OnnxRuntimeRunner(Runner):
         #: (:mod:`export.onnxruntime.last_logits`); an older graph returns every position in ``logits``
         self.last_logits = split_head_io([i.name for i in self.session.get_overridable_initializers()],
                                          self._out_names)
+        #: the graph's verification input (export/onnxruntime/verify_rows.py) and the most tokens a
+        #: verification call takes; fed true only by speculative_runner()'s verification calls
+        self._verify_input = has_verify_rows([i.name for i in self.session.get_overridable_initializers()])
+        self._verify_max = int((manifest.get("verify") or {}).get("max_tokens") or 0) or None
+        self._verifying = False
         self.max_seq_len = manifest.get("max_seq_len") if max_seq_len == "manifest" else max_seq_len
         #: a longer input is fed in calls of at most this many tokens (None: one call; exports before
         #: the option have none)
@@ -143,6 +150,8 @@ class OnnxRuntimeRunner(Runner):
         }
         if self._position_ids:
             feeds["position_ids"] = np.arange(self._pos, self._pos + t, dtype=np.int64).reshape(1, t)
+        if self._verify_input:
+            feeds[VERIFY] = np.array(self._verifying and all_logits and 1 < t <= (self.verify_tokens or 0))
         head = self._head(feeds, all_logits)
         try:
             outs = self.session.run([head, *self._present_names], feeds)
@@ -181,6 +190,21 @@ class OnnxRuntimeRunner(Runner):
             raise RunnerError(f"ONNX Runtime failed running {self.path} on a batch of {k}: "
                               f"{type(exc).__name__}: {exc}") from None
         return [torch.from_numpy(np.ascontiguousarray(logits[i, : lengths[i]], dtype=np.float32)) for i in range(k)]
+
+    def speculative_runner(self) -> "OnnxRuntimeRunner":
+        """This graph with its verification input fed true for calls of 2 to ``verify_tokens`` tokens that ask for
+        every position: each row attends as a one-token call does, so its logits are that call's, bit for bit
+        (export/onnxruntime/verify_rows.py); prefill and single steps run as always. Refused for an export
+        without ``verify_tokens``."""
+        if self._verifying:
+            return self
+        if not self._verify_input or not self._verify_max:
+            raise RunnerError(f"{self.path.name} has no verification input ({VERIFY}); export it with "
+                              "export.onnxruntime.verify_tokens (for example 5) to decode speculatively")
+        other = copy.copy(self)
+        other._verifying, other.verify_tokens, other.draft_policy = True, self._verify_max, None
+        other.reset()
+        return other
 
     def truncate(self, n: int) -> bool:
         """Slice the past arrays to their first ``n`` positions (exact: the next call's mask and

@@ -100,20 +100,22 @@ def rtn_int8_rows(w: torch.Tensor) -> BlockQuant:
     return BlockQuant(q, scale, None, 8, int(w.shape[1]), "rtn int8 per channel")
 
 
-def nbits_block(bq: BlockQuant) -> int:
-    """A block size MLAS takes that tiles every group exactly (the scale repeats per block)."""
+def nbits_block(bq: BlockQuant, max_block: int | None = None) -> int:
+    """A block size MLAS takes that tiles every group exactly (the scale repeats per block), at most
+    ``max_block`` columns where given."""
     for b in NBITS_BLOCKS:
-        if bq.group % b == 0:
+        if bq.group % b == 0 and (max_block is None or b <= max_block):
             return b
     raise ValueError(f"group size {bq.group} is not a multiple of 16; MatMulNBits/GatherBlockQuantized need "
                      "power-of-two blocks of at least 16 columns")
 
 
-def nbits_arrays(bq: BlockQuant) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+def nbits_arrays(bq: BlockQuant, max_block: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
     """(packed weights [N, blocks, block*bits/8] uint8, scales [N, blocks] float32, zero points
-    (packed uint8) or None, block size) for ``MatMulNBits`` / ``GatherBlockQuantized``."""
+    (packed uint8) or None, block size) for ``MatMulNBits`` / ``GatherBlockQuantized``; blocks of at
+    most ``max_block`` columns where given."""
     n, k = bq.shape
-    block = nbits_block(bq)
+    block = nbits_block(bq, max_block)
     reps = bq.group // block
     off = 1 << (bq.bits - 1)
     lo, hi = -off, off - 1

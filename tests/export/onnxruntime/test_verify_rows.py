@@ -1,0 +1,147 @@
+"""Verification calls in the fused ONNX graph (export/onnxruntime/verify_rows.py): with
+``verify_tokens`` a several-token call fed ``verify_rows`` gives, at every position, the logits a
+one-token call gives, bit for bit, through ONNX Runtime and onnxruntime-genai; so speculative decoding
+keeps plain greedy decoding's tokens. Without the input a several-token call attends its rows as one
+block and does not; an export without ``verify_tokens`` refuses to decode speculatively."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from export.onnxruntime.exporter import OnnxRuntimeExporter
+from export.onnxruntime.verify_rows import VERIFY
+from export.runtime import RunnerError, greedy_generate
+from export.speculative import DraftLength, speculative_generate
+
+W8A8 = {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True}
+FAMILIES = {"llama": dict(tie_word_embeddings=True), "qwen2": dict(tie_word_embeddings=False),
+            "gemma2": dict(head_dim=16, sliding_window=64, tie_word_embeddings=True)}
+
+
+def _quiet(*_a, **_k):
+    pass
+
+
+def _model(family: str, kind: str, group: int = 32) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, initializer_range=0.2)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**base, **FAMILIES[family]})).eval()
+    if kind == "int4":
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+
+        quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group)),
+                  lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
+    return model
+
+
+@pytest.fixture(scope="module")
+def exports(smollm2_tokenizer, tmp_path_factory):
+    """Per (family, kind): an export with verify_tokens 5 (the 512-token vocabulary makes greedy text
+    repeat, so prompt lookup drafts; ids stay inside SmolLM2's tokenizer, which the folder needs)."""
+    out = {}
+    for family, kind in [("llama", "fp32"), ("llama", "w8a8"), ("llama", "int4"), ("qwen2", "w8a8"), ("gemma2", "int4")]:
+        opts = {"verify_tokens": 5, "max_seq_len": 160, **(W8A8 if kind == "w8a8" else {})}
+        root = tmp_path_factory.mktemp(f"{family}_{kind}")
+        out[family, kind] = OnnxRuntimeExporter().export(_model(family, kind), smollm2_tokenizer, root, opts, log=_quiet)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    passage = torch.randint(3, 512, (10,), generator=g).tolist()
+    rand = torch.randint(3, 512, (30,), generator=g).tolist()
+    return [passage * 3, rand, passage + rand[:7] + passage]
+
+
+def _runners(result):
+    exp = OnnxRuntimeExporter()
+    return {"onnxruntime": exp.load(result.artifact), "onnxruntime-genai": exp.load(result.artifact.parent)}
+
+
+@pytest.mark.parametrize("key", [("llama", "fp32"), ("llama", "w8a8"), ("llama", "int4"), ("qwen2", "w8a8"),
+                                 ("gemma2", "int4")], ids=lambda k: "-".join(k))
+def test_verification_calls_are_one_token_calls_bit_for_bit(exports, key):
+    result = exports[key]
+    assert result.manifest["verify"] == {"input": VERIFY, "max_tokens": 5, "attention_nodes": 2}
+    context = _prompts()[1] + _prompts()[0][:30]  # 60 tokens
+    for name, runner in _runners(result).items():
+        fast = runner.speculative_runner()
+        assert fast.verify_tokens == 5 and runner.verify_tokens is None
+        for t in (2, 3, 5):
+            feed = torch.tensor(_prompts()[2][:t])
+            runner.reset()
+            runner.forward(torch.tensor(context), all_logits=False)
+            one = torch.cat([runner.forward(feed[i:i + 1], all_logits=True) for i in range(t)])
+            fast.reset()
+            fast.forward(torch.tensor(context), all_logits=False)
+            several = fast.forward(feed, all_logits=True)
+            assert torch.equal(several, one), (name, key, t, float((several - one).abs().max()))
+            # the cache continues as one-token calls left it
+            nxt = torch.tensor([7])
+            assert torch.equal(fast.forward(nxt, all_logits=True), runner.forward(nxt, all_logits=True)), (name, t)
+
+
+@pytest.mark.parametrize("key", [("llama", "w8a8"), ("gemma2", "int4")], ids=lambda k: "-".join(k))
+def test_speculative_decoding_keeps_plain_greedy_tokens(exports, key):
+    for name, runner in _runners(exports[key]).items():
+        fast = runner.speculative_runner()
+        drafted = accepted = 0
+        for prompt in _prompts():
+            plain = greedy_generate(runner, prompt, 200)  # to the end of the cache
+            got, stats = speculative_generate(fast, prompt, 200, draft=DraftLength(measure=False, cost_per_token=0.05))
+            assert got == plain, (name, key)
+            assert len(plain) == 160 - len(prompt) + 1
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        assert accepted > 0 and drafted > 0, (name, key)
+
+
+def test_without_the_input_several_rows_attend_as_a_block(exports):
+    """Why the input exists: the graph's own several-token call differs from one-token calls (GroupQueryAttention
+    sums a block of query rows in another order), so plain several-token calls cannot verify drafts."""
+    runner = _runners(exports["llama", "fp32"])["onnxruntime"]
+    context, feed = torch.tensor(_prompts()[1] * 2), torch.tensor(_prompts()[2][:5])
+    runner.reset()
+    runner.forward(context, all_logits=False)
+    one = torch.cat([runner.forward(feed[i:i + 1], all_logits=True) for i in range(5)])
+    runner.reset()
+    runner.forward(context, all_logits=False)
+    block = runner.forward(feed, all_logits=True)  # verify_rows left false
+    assert not torch.equal(block, one) and torch.allclose(block, one, atol=1e-4)
+
+
+def test_an_export_without_verify_tokens_refuses_and_large_blocks_are_capped(smollm2_tokenizer, tmp_path):
+    """verify_tokens caps MatMulNBits blocks at 32 columns (4-bit): larger blocks' kernels are not row-exact."""
+    model = _model("llama", "int4", group=64)
+    plain = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "plain", {"max_seq_len": 64}, log=_quiet)
+    for runner in _runners(plain).values():
+        with pytest.raises(RunnerError, match="verify_tokens"):
+            runner.speculative_runner()
+    verified = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "verify",
+                                            {"max_seq_len": 64, "verify_tokens": 4}, log=_quiet)
+
+    def blocks(result) -> set[int]:
+        g = onnx.load(str(result.artifact), load_external_data=False).graph
+        return {a.i for n in g.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+
+    assert blocks(plain) == {64} and blocks(verified) == {32}
+    # onnxruntime-genai's own search runs the graph as shipped (verify_rows defaults to false)
+    from export.onnxruntime.genai_runner import genai_greedy
+
+    runner = _runners(verified)["onnxruntime"]
+    assert genai_greedy(verified.artifact.parent, _prompts()[1], 8) == greedy_generate(runner, _prompts()[1], 8)
+
+
+def test_verify_tokens_is_refused_where_it_cannot_work():
+    from pydantic import ValidationError
+
+    from export.onnxruntime.options import OnnxRuntimeOptions, _fused_option_problems
+
+    with pytest.raises(ValidationError):
+        OnnxRuntimeOptions(verify_tokens=1)
+    problems = _fused_option_problems(OnnxRuntimeOptions(verify_tokens=4, last_logits=False))
+    assert any("all_logits" in p for p in problems)
