@@ -1,9 +1,18 @@
-"""Speculative decoding with prompt lookup against plain decoding of the same .pte, in one run.
+"""Speculative decoding against plain decoding of the same artifact and against the peers, in one run.
 
-Our demo .pte (the stages and export options of ``examples/smollm2.yaml``, plus ``verify_tokens`` for
-the ``verify`` method that checks drafts bit for bit as one-token calls would) decodes every prompt of three sets
-built from text the project ships, plainly and with ``--speculative ngram``
-(:mod:`export.speculative`), round-robin within each round:
+**ExecuTorch.** The shipped example ``examples/smollm2_speculative.yaml`` (the demo's recipe plus
+``verify_tokens`` and a draft model the pipeline makes; run here through ``run_pipeline``, resumed
+from its run directory when it exists) decodes every prompt plainly (``forward``, the path the
+project ships), with ``--speculative ngram`` (prompt lookup) and with ``--speculative draft`` (the
+program's own draft model, prompt lookup where it matches); ``--with-optimum`` adds the peer's 8da4w
+``.pte`` (optimum-executorch, built in its own venv by ``bench/executorch.py``'s helpers; about 11
+minutes the first time) decoding plainly.
+
+**ONNX Runtime** (``--onnx``). ``examples/smollm2_onnx_int4.yaml`` exported with ``verify_tokens``
+runs through onnxruntime-genai (``GenaiRunner``: what apps run), plainly and with prompt lookup,
+against onnxruntime-genai's model builder int4 of the same model decoding plainly (the peer).
+
+Prompt sets, built from text the project ships (:func:`prompt_sets`):
 
 - **extraction**: a passage of CPython's bundled documentation (``pydoc_data.topics``) or the source
   of a standard-library function, and an instruction whose answer copies spans of it (quote,
@@ -11,15 +20,12 @@ built from text the project ships, plainly and with ``--speculative ngram``
 - **summary**: the same kind of passage, summarised;
 - **chat**: open questions without a passage.
 
-Per set: decode tokens/s (generated tokens after the first over the time from the first token,
-which ends the prefill, to the last),
-tokens per call, drafts accepted, the ratio to plain decoding of the same program paired within
-each round (``plain`` is the program's ``forward``, the path the project ships), and whether every
-output equals plain greedy decoding. With ``--with-optimum`` the peer's 8da4w .pte (optimum-executorch,
-built in its own venv by ``bench/executorch.py``'s helpers; about 11 minutes the first time) decodes
-the same prompts plainly, and its ratio is reported too.
+Per set and decoder: decode tokens/s (generated tokens after the first over the time from the
+first token, which ends the prefill, to the last), tokens per verification call, drafts accepted, the
+ratio to plain decoding of the same artifact and to the peer (each paired within a round, round-robin
+over the decoders, median over rounds), and whether every output equals plain greedy decoding.
 
-    flock /tmp/heavy.lock .venv/bin/python bench/speculative.py [--rounds 3] [--with-optimum] [--pte model.pte]
+    flock /tmp/heavy.lock .venv/bin/python bench/speculative.py [--rounds 3] [--with-optimum] [--onnx] [--pte model.pte]
 """
 
 from __future__ import annotations
@@ -125,69 +131,91 @@ def decode_plain(runner, ids: list[int], eos: list[int]) -> tuple[list[int], flo
     return _decode(generate, ids)
 
 
-def decode_speculative(runner, ids: list[int], eos: list[int]) -> tuple[list[int], float, dict]:
+def decode_speculative(runner, ids: list[int], eos: list[int], drafter=None) -> tuple[list[int], float, dict]:
     from export.speculative import speculative_generate
 
     def generate(ids, on_token):
-        out, stats = speculative_generate(runner, ids, MAX_NEW, eos_token_ids=eos, on_token=on_token)
+        out, stats = speculative_generate(runner, ids, MAX_NEW, drafter=drafter, eos_token_ids=eos, on_token=on_token)
         return out, stats.as_dict()
 
     return _decode(generate, ids)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over every prompt and decoder")
-    ap.add_argument("--with-optimum", action="store_true", help="add optimum-executorch's 8da4w .pte, decoding plainly")
-    ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench_executorch"),
-                    help="exports (shared with bench/executorch.py) and the peer's venv")
-    ap.add_argument("--output", type=Path, default=Path("/tmp/bench_speculative.txt"), help="table (and .json beside it)")
-    ap.add_argument("--pte", type=Path, help="time this program (it must carry verify) instead of exporting the demo "
-                    "recipe with verify_tokens")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(THREADS)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
+EXAMPLES = HERE.parent / "examples"
+#: the shipped example each runtime's rows measure, and the overrides the bench runs it with: its
+#: export, its draft and the checks that gate them (the accuracy rows are the pipeline's own business)
+ET_EXAMPLE = EXAMPLES / "smollm2_speculative.yaml"
+ORT_EXAMPLE = EXAMPLES / "smollm2_onnx_int4.yaml"
+QUICK_CHECKS = ["checks.latency.enabled=false", "checks.memory=false", "checks.accuracy=false",
+                "checks.generate_tokens=16", "gates.on_fail=warn"]
 
-    from bench.executorch import export_ours, export_peer, our_recipes
+
+def example_artifact(yaml: Path, target: str, overrides: list[str], out: Path) -> Path:
+    """The example's export, made by the pipeline (resumed from ``out`` when an earlier run left it)."""
+    from optimize import load_config, run_pipeline
+
+    cfg = load_config(yaml, [*overrides, *QUICK_CHECKS], target=target)
+    log(f"{yaml.name}: optimize pipeline into {out} (resumes what an earlier run finished)")
+    report = run_pipeline(cfg, output_dir=out)
+    row = report.row(f"export:{target}")
+    if row is None or row.artifact is None:
+        raise SystemExit(f"error: {yaml.name} made no {target} artifact: see {out}/report.md")
+    return Path(row.artifact)
+
+
+def decoders_executorch(args, lm) -> tuple[dict, str]:
+    """plain / ngram / draft (when the program has one) / peer: runner and decode function each."""
     from export.executorch.runner import ExecuTorchRunner, set_threads
-    from optimize.config import load_config
-    from targets.sources import BundledSource, bundled_gguf_path, convert_gguf, load_model
-    from targets.sources.corpus import load_text, split_corpus, tokenize
-    from targets.sources.corpus import windows as cut
+    from export.runtime import RunnerError
+    from export.speculative import HybridDrafter, ModelDrafter
 
-    t_all = time.perf_counter()
-    lm = load_model(BundledSource(name="smollm2-135m"))
-    tok = lm.tokenizer
-    if args.pte is not None:
-        pte = args.pte
-    else:
-        stages, opts = our_recipes()["demo"]
-        data = load_config(HERE.parent / "examples" / "smollm2.yaml", check_files=False).data
-        ids_all = tokenize(load_text("pydoc"), tok)
-        calib = cut(split_corpus(ids_all, eval_tokens=4096, calib_tokens=data.calibration_tokens).calib_ids,
-                    data.seq_len)
-        pte, _ = export_ours("demo-verify", stages, {**opts, "verify_tokens": VERIFY_TOKENS}, lm, calib, args.cache_dir)
+    pte = args.pte or example_artifact(ET_EXAMPLE, "executorch", [], args.cache_dir / "smollm2-speculative")
     set_threads(THREADS)
     plain = ExecuTorchRunner(pte, threads=THREADS)
     verifier = plain.speculative_runner()
     decoders = {"plain": (plain, decode_plain), "ngram": (verifier, decode_speculative)}
+    try:
+        drafter = HybridDrafter(ModelDrafter(plain.draft_runner(), vocab_ids=plain.draft_vocab))
+        decoders["draft"] = (verifier, lambda r, ids, eos: decode_speculative(r, ids, eos, drafter))
+    except RunnerError as exc:
+        log(f"no draft rows: {exc}")
     if args.with_optimum:
+        from bench.executorch import export_peer
+        from targets.sources import bundled_gguf_path, convert_gguf
+
         peer_pte, _ = export_peer(convert_gguf(bundled_gguf_path("smollm2-135m")), args.cache_dir)
         decoders["peer"] = (ExecuTorchRunner(peer_pte, threads=THREADS), decode_plain)
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return decoders, (f"ExecuTorch: {pte} ({pte.stat().st_size / 2**20:.1f} MiB; verify up to {verifier.verify_tokens} "
+                      "tokens a call), peer optimum-executorch 8da4w")
 
-    sets = prompt_sets()
-    def encode(prompt: str) -> list[int]:  # as optimize run --chat does
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False)["input_ids"]
 
-    encoded = {name: [encode(p) for p in prompts] for name, prompts in sets.items()}
-    # samples[set][decoder] -> per round: (tokens, seconds); stats and outputs from the first round
-    samples = {s: {d: [] for d in decoders} for s in sets}
-    stats = {s: {d: [] for d in decoders} for s in sets}
+def decoders_onnx(args, lm) -> tuple[dict, str]:
+    """Our 4-bit directory through onnxruntime-genai, plainly and with prompt lookup, and the model
+    builder's int4 decoding plainly (the peer)."""
+    from bench.onnxruntime import build_peer
+    from export.onnxruntime.genai_runner import GenaiRunner
+    from targets.sources import bundled_gguf_path, convert_gguf
+
+    folder = args.onnx_dir or example_artifact(ORT_EXAMPLE, "onnxruntime", [f"export.onnxruntime.verify_tokens={VERIFY_TOKENS}"],
+                                               args.cache_dir / "smollm2-onnx-int4-verify").parent
+    peer_dir = args.cache_dir / "builder-int4"
+    if not (peer_dir / "genai_config.json").is_file():
+        log("peer: onnxruntime-genai's model builder, int4")
+        build_peer("int4", convert_gguf(bundled_gguf_path("smollm2-135m")), peer_dir)
+    plain = GenaiRunner(folder, intra_op_threads=THREADS)
+    decoders = {"plain": (plain, decode_plain), "ngram": (plain.speculative_runner(), decode_speculative),
+                "peer": (GenaiRunner(peer_dir, intra_op_threads=THREADS), decode_plain)}
+    return decoders, f"onnxruntime-genai: {folder} (ours, 4-bit, verify_tokens {VERIFY_TOKENS}), peer: model builder int4"
+
+
+def run_rounds(decoders: dict, encoded: dict, eos: list[int], rounds: int, label: str):
+    """Every prompt of every set through every decoder, round-robin (the order alternates by round and
+    prompt); returns per set and decoder the rates per round, the first round's stats and outputs."""
+    samples = {s: {d: [] for d in decoders} for s in encoded}
+    stats = {s: {d: [] for d in decoders} for s in encoded}
     outputs: dict[tuple[str, int, str], list[int]] = {}
-    for r in range(args.rounds):
-        log(f"round {r + 1}/{args.rounds}")
+    for r in range(rounds):
+        log(f"{label}: round {r + 1}/{rounds}")
         for s, prompts in encoded.items():
             tot = {d: [0, 0.0] for d in decoders}
             for i, ids in enumerate(prompts):
@@ -202,12 +230,11 @@ def main(argv=None) -> int:
                         stats[s][d].append(st)
             for d in decoders:
                 samples[s][d].append(tot[d][0] / tot[d][1])
-    lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, our demo .pte with verify (up to "
-             f"{verifier.verify_tokens} tokens a call; {pte}), {THREADS} threads, "
-             f"{MAX_NEW} new tokens at most per prompt (greedy, EOS stops), chat template; decode tok/s = generated "
-             f"tokens after the first / time from the first token (the end of the prefill) to the last; "
-             f"{args.rounds} round-robin rounds, median; x plain, x peer = "
-             "the ratio within each round, median.", "",
+    return samples, stats, outputs
+
+
+def table(label: str, decoders: dict, sets: dict, samples, stats, outputs) -> tuple[list[str], dict]:
+    lines = [f"**{label}**", "",
              "| set | prompts | decoder | decode tok/s | x plain | x peer | tokens/call | drafts accepted | same tokens as plain |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|"]
     result = {}
@@ -224,7 +251,7 @@ def main(argv=None) -> int:
             drafted = sum(x.get("drafted", 0) for x in st)
             accepted = sum(x.get("accepted", 0) for x in st)
             tpc = (toks - len(sets[s])) / calls if calls else None  # after the prefill's token
-            acc = f"{accepted}/{drafted}" if d == "ngram" else "-"
+            acc = f"{accepted}/{drafted}" if drafted else "-"
             tpc_s = f"{tpc:.2f}" if tpc else "-"
             same_s = "n/a (another model)" if d == "peer" else ("yes" if same else "NO")
             peer_s = f"{vs_peer:.2f}" if vs_peer is not None else "-"
@@ -232,12 +259,58 @@ def main(argv=None) -> int:
             result[f"{s}/{d}"] = {"decode_tok_s": rate, "x_plain": ratio, "x_peer": vs_peer, "tokens_per_call": tpc,
                                   "drafted": drafted, "accepted": accepted, "same_as_plain": same,
                                   "samples": samples[s][d]}
-    lines += ["", f"Wall time {time.perf_counter() - t_all:.0f} s; load avg {os.getloadavg()[0]:.1f} at the end."]
+    return lines, result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin passes over every prompt and decoder")
+    ap.add_argument("--with-optimum", action="store_true", help="add optimum-executorch's 8da4w .pte, decoding plainly")
+    ap.add_argument("--onnx", action="store_true", help="also the ONNX rows (ours 4-bit through onnxruntime-genai "
+                    "against the model builder's int4)")
+    ap.add_argument("--no-executorch", action="store_true", help="skip the ExecuTorch rows")
+    ap.add_argument("--cache-dir", type=Path, default=Path("/tmp/bench_executorch"),
+                    help="exports (shared with bench/executorch.py), the examples' runs and the peer's venv")
+    ap.add_argument("--output", type=Path, default=Path("/tmp/bench_speculative.txt"), help="table (and .json beside it)")
+    ap.add_argument("--pte", type=Path, help="time this program (it must carry verify; a draft method adds the draft "
+                    "rows) instead of the example's")
+    ap.add_argument("--onnx-dir", type=Path, help="time this ONNX export folder (exported with verify_tokens)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+
+    from targets.sources import BundledSource, load_model
+
+    t_all = time.perf_counter()
+    lm = load_model(BundledSource(name="smollm2-135m"))
+    tok = lm.tokenizer
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    sets = prompt_sets()
+
+    def encode(prompt: str) -> list[int]:  # as optimize run --chat does
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    encoded = {name: [encode(p) for p in prompts] for name, prompts in sets.items()}
+    runtimes = ([] if args.no_executorch else [decoders_executorch]) + ([decoders_onnx] if args.onnx else [])
+    lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, {THREADS} threads, {MAX_NEW} new tokens at most per prompt "
+             "(greedy, EOS stops), chat template; decode tok/s = generated tokens after the first / time from the first "
+             f"token (the end of the prefill) to the last; {args.rounds} round-robin rounds, median; x plain, x peer = "
+             "the ratio within each round, median.", ""]
+    result = {}
+    for make in runtimes:
+        decoders, label = make(args, lm)
+        samples, stats, outputs = run_rounds(decoders, encoded, eos, args.rounds, label.split(":")[0])
+        rows, res = table(label, decoders, sets, samples, stats, outputs)
+        lines += rows + [""]
+        result[label.split(":")[0]] = res
+    lines += [f"Wall time {time.perf_counter() - t_all:.0f} s; load avg {os.getloadavg()[0]:.1f} at the end."]
     text = "\n".join(lines)
     print(text)
     args.output.write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    bad = [k for k, v in result.items() if not v["same_as_plain"] and not k.endswith("/peer")]
+    bad = [f"{rt}/{k}" for rt, res in result.items() for k, v in res.items()
+           if not v["same_as_plain"] and not k.endswith("/peer")]
     if bad:
         print(f"error: outputs differ from plain greedy decoding: {bad}", file=sys.stderr)
         return 1

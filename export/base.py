@@ -45,12 +45,24 @@ class ExportResult:
     extra_details: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass
+class DraftSpec:
+    """A draft model for speculative decoding, exported beside the target by exporters that can
+    (``supports_draft``): the model (sharing the target's tokenizer) and, for a draft head over part of
+    the vocabulary, how often each token id occurs in the run's text (``token_counts[id]``)."""
+
+    model: torch.nn.Module
+    token_counts: torch.Tensor | None = None
+
+
 class Exporter(abc.ABC):
     name: ClassVar[str]
     #: the pydantic model validating this exporter's options block
     options_model: ClassVar[type[ExportOptions]]
     #: artifact file suffixes this exporter's runner can load (for ``optimize run``)
     suffixes: ClassVar[tuple[str, ...]] = ()
+    #: whether :meth:`export` takes a ``draft`` (a speculative-decoding draft model written beside the target)
+    supports_draft: ClassVar[bool] = False
 
     @abc.abstractmethod
     def export(
@@ -63,7 +75,8 @@ class Exporter(abc.ABC):
         calibration: Sequence[torch.Tensor] = (),
         log=print,
     ) -> ExportResult:
-        """Write the artifact and its companions into ``out_dir`` atomically."""
+        """Write the artifact and its companions into ``out_dir`` atomically. Exporters that
+        ``supports_draft`` also take ``draft=DraftSpec(...)``."""
 
     @abc.abstractmethod
     def load(self, artifact: Path, **kwargs) -> Runner:

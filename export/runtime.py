@@ -140,6 +140,15 @@ class Runner(abc.ABC):
                           "calls' logits bit for bit; speculative decoding would not keep plain greedy's tokens "
                           "(an ExecuTorch .pte exported with verify_tokens has one)")
 
+    def draft_runner(self) -> "Runner":
+        """A runner over the artifact's own draft model (what ``--speculative draft`` drafts with), with a
+        KV cache of its own; refused (:class:`RunnerError`) where the artifact carries none."""
+        raise RunnerError(f"{self.runtime} artifacts here carry no draft model (an ExecuTorch .pte exported with "
+                          "the pipeline's draft block has one)")
+
+    #: the draft head's row -> token id where it covers part of the vocabulary (None: all of it, or no draft)
+    draft_vocab: list[int] | None = None
+
     def size_bytes(self) -> int | None:
         """Size of the shipped artifact in bytes, or None if not applicable."""
         return None

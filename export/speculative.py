@@ -16,7 +16,10 @@ on :meth:`Runner.speculative_runner`, whose verification calls give one-token ca
 bit (a ``.pte``'s ``verify`` method, exported with ``verify_tokens``: attention row by row).
 
 Drafters here: :class:`NgramDrafter` (prompt lookup: what followed the latest earlier occurrence of
-the context's last n-gram; no model, strong where the answer copies its input).
+the context's last n-gram; no model, strong where the answer copies its input), :class:`ModelDrafter`
+(a small draft model's own greedy tokens, through a runner of its own: a ``.pte``'s ``draft`` method,
+made by the pipeline's ``draft`` block), and :class:`HybridDrafter` (prompt lookup where it matches,
+the draft model elsewhere).
 
 The draft length adapts (:class:`DraftLength`): each proposal is cut to the length that earns the
 most tokens per second, from the acceptance its source has had and the measured time of the
@@ -37,8 +40,10 @@ from export.runtime import Runner, RunnerError, checked_prompt
 
 
 class Drafter(Protocol):
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens likely to follow ``context`` (may be empty)."""
+    def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
+        """The tokens to verify after ``context`` (at most ``room``; may be empty: a plain step) and
+        their source, the key ``policy`` keeps acceptance by. The drafter asks ``policy`` how many are
+        worth verifying: a lookup proposes first and cuts, a model asks before it spends a call a token."""
 
     def extend(self, tokens: list[int]) -> None:
         """``tokens`` were appended to the context (the drafter's index follows them)."""
@@ -88,6 +93,111 @@ class NgramDrafter:
                 return ids[start : start + k]
         return []
 
+    def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
+        """Prompt lookup's proposal, cut to the length ``policy`` finds worth a verification call."""
+        proposal = self.propose(context, min(policy.max_k, room)) if room > 0 else []
+        source = self.last_source
+        return proposal[: policy.choose(source, len(proposal))], source
+
+
+#: DraftLength's key for a draft model's proposals (prompt lookup's are its n-gram lengths)
+MODEL_SOURCE = "model"
+
+
+class ModelDrafter:
+    """A draft model's greedy tokens: ``runner`` (a :class:`~export.runtime.Runner` over the draft: a
+    ``.pte``'s ``draft`` method, or any causal LM sharing the target's tokenizer) decodes up to ``k``
+    tokens after the context, one call each, stopping early where its own top probability falls below
+    ``stop_below`` (an unsure draft token is likely rejected, and each one costs a call).
+
+    The draft keeps its own KV cache: what it has fed is kept in step with the context by their common
+    prefix, so after a verification the rejected positions are cut (``truncate``) and what the target
+    emitted is fed with the next call (one or two tokens; more after rounds that prompt lookup served).
+    ``vocab_ids`` maps a draft whose head covers part of the vocabulary (index -> token id)."""
+
+    def __init__(self, runner: Runner, *, stop_below: float = 0.0, vocab_ids: list[int] | None = None):
+        if not 0.0 <= stop_below < 1.0:
+            raise ValueError(f"stop_below must be in [0, 1), got {stop_below}")
+        self.runner, self.stop_below = runner, stop_below
+        self.vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long) if vocab_ids is not None else None
+        #: the tokens in the draft's cache, in order
+        self.fed: list[int] = []
+        #: draft calls and tokens they fed, for the stats
+        self.calls = 0
+
+    def extend(self, tokens: Iterable[int]) -> None:  # the context is read at each draft() instead
+        return None
+
+    def _sync(self, context: list[int]) -> list[int]:
+        """Cut the draft's cache to its common prefix with ``context``; the tokens still to feed (never
+        none: the last context token's logits give the first draft)."""
+        fed, n = self.fed, min(len(self.fed), len(context) - 1)
+        if self.runner.position != len(fed):  # the runner served someone else meanwhile: start over
+            self.runner.reset()
+            fed.clear()
+        common = n if fed[:n] == context[:n] else 0  # the usual case in one comparison: the context only grew
+        while common < n and fed[common] == context[common]:
+            common += 1
+        if common < len(fed):
+            if common == 0 or not self.runner.truncate(common):
+                self.runner.reset()
+                common = 0
+            del fed[common:]
+        return context[common:]
+
+    def _step(self, ids: list[int]) -> tuple[int, float]:
+        """Feed ``ids``; the draft's greedy next token and its probability."""
+        logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), all_logits=False)[-1].float()
+        self.fed.extend(ids)
+        self.calls += 1
+        best = int(torch.argmax(logits))
+        p = float(torch.softmax(logits, dim=-1)[best]) if self.stop_below > 0 else 1.0
+        return (int(self.vocab_ids[best]) if self.vocab_ids is not None else best), p
+
+    def propose(self, context: list[int], k: int, policy: "DraftLength | None" = None) -> list[int]:
+        """Up to ``k`` draft tokens after ``context`` (the first call feeds whatever the draft lacks)."""
+        if k <= 0:
+            return []
+        limit = self.runner.max_seq_len
+        if limit is not None:  # the draft's cache holds the context and all but the last draft token
+            k = min(k, limit - len(context) + 1)
+            if k <= 0:
+                return []
+        out: list[int] = []
+        feed = self._sync(context)
+        while len(out) < k:
+            t0 = time.perf_counter()
+            token, p = self._step(feed)
+            if policy is not None and len(feed) == 1:
+                policy.timed_draft(time.perf_counter() - t0)
+            if out and p < self.stop_below:
+                break
+            out.append(token)
+            feed = [token]
+        return out
+
+    def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
+        """As many draft tokens as ``policy`` finds worth their calls and a verification."""
+        k = policy.choose(MODEL_SOURCE, room, per_token=policy.draft_cost())
+        return self.propose(context, k, policy), MODEL_SOURCE
+
+
+class HybridDrafter:
+    """Prompt lookup where it has a proposal worth verifying (free: no model call), else the draft model:
+    copying spans costs nothing to draft, and open text gets the model's guesses."""
+
+    def __init__(self, model: ModelDrafter, lookup: NgramDrafter | None = None):
+        self.model, self.lookup = model, lookup if lookup is not None else NgramDrafter()
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        self.lookup.extend(tokens)
+
+    def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
+        proposal, source = self.lookup.draft(context, room, policy)
+        if proposal:
+            return proposal, source
+        return self.model.draft(context, room, policy)
+
 
 @dataclass
 class DraftLength:
@@ -117,18 +227,22 @@ class DraftLength:
     #: a draft must promise this many times a plain step's tokens per second: a gain within the noise
     #: of the estimates is a loss on average, since a wrong draft costs its whole call
     min_gain: float = 1.05
+    #: a draft model's token in target steps until both are timed (a quarter-depth draft costs about this)
+    draft_cost_prior: float = 0.2
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
         if not 0.0 < self.prior_acceptance < 1.0:
             raise ValueError(f"prior_acceptance must be in (0, 1), got {self.prior_acceptance}")
-        if not 0.0 < self.rate <= 1.0 or self.probe_every < 1 or self.min_gain <= 0:
+        if not 0.0 < self.rate <= 1.0 or self.probe_every < 1 or self.min_gain <= 0 or self.draft_cost_prior < 0:
             raise ValueError(f"need 0 < rate <= 1, probe_every >= 1 and min_gain > 0, got {self.rate}, "
                              f"{self.probe_every}, {self.min_gain}")
         self.acceptance: dict = {}
         #: fed tokens -> exponential average of one call's seconds
         self.seconds: dict[int, float] = {}
+        #: exponential average of a draft model's one-token call, in seconds
+        self.draft_seconds: float | None = None
         self._idle = 0
 
     def cost(self, fed: int) -> float:
@@ -138,15 +252,17 @@ class DraftLength:
             return self.seconds[fed] / one
         return 1.0 + self.cost_per_token * (fed - 1)
 
-    def choose(self, source, available: int) -> int:
-        """How many of ``available`` proposed tokens (from ``source``) to verify; 0: a plain step."""
+    def choose(self, source, available: int, per_token: float = 0.0) -> int:
+        """How many of ``available`` proposed tokens (from ``source``) to verify; 0: a plain step.
+        ``per_token`` is what drafting one token costs, in one-token steps of the target (a draft
+        model's call; 0 for prompt lookup): it is paid for every token drafted, kept or not."""
         if available <= 0:
             return 0
         a = self.acceptance.get(source, self.prior_acceptance)
         best_k, best = 0, self.min_gain
         for k in range(1, min(self.max_k, available) + 1):
             kept = (1.0 - a ** (k + 1)) / (1.0 - a) if a < 1.0 else k + 1.0
-            gain = kept / self.cost(k + 1)
+            gain = kept / (self.cost(k + 1) + k * per_token)
             if gain > best:
                 best_k, best = k, gain
         if best_k:
@@ -168,6 +284,20 @@ class DraftLength:
             a += self.rate * (held - a)
         self.acceptance[source] = min(max(a, 1e-3), 1.0 - 1e-3)
 
+    def timed_draft(self, seconds: float) -> None:
+        """One draft model call of one token took ``seconds``."""
+        if self.measure and seconds > 0:
+            old = self.draft_seconds
+            self.draft_seconds = seconds if old is None else old + 0.2 * (seconds - old)
+
+    def draft_cost(self) -> float:
+        """A draft model's token in one-token steps of the target: measured where both are, else
+        ``draft_cost_prior``."""
+        one = self.seconds.get(1)
+        if self.measure and one and self.draft_seconds:
+            return self.draft_seconds / one
+        return self.draft_cost_prior
+
     def timed(self, fed: int, seconds: float) -> None:
         """One call of ``fed`` tokens took ``seconds`` (the first of each length sets its average)."""
         if not self.measure or seconds <= 0:
@@ -179,13 +309,14 @@ class DraftLength:
 @dataclass
 class SpeculativeStats:
     """What the drafts did: forward calls after the prefill, those that verified drafts, tokens
-    drafted and accepted."""
+    drafted and accepted, and the draft model's calls (its prefill included)."""
 
     tokens: int = 0
     calls: int = 0
     verify_calls: int = 0
     drafted: int = 0
     accepted: int = 0
+    draft_calls: int = 0
 
     @property
     def tokens_per_call(self) -> float:
@@ -227,6 +358,7 @@ def speculative_generate(
     out: list[int] = []
     context = list(ids)
     drafter.extend(context)
+    draft_calls0 = _draft_calls(drafter)
 
     def emit(t: int) -> bool:
         """Append one generated token; False when plain greedy would stop after it."""
@@ -250,9 +382,7 @@ def speculative_generate(
             room = min(room, limit - fed - 1)
         if widest is not None:
             room = min(room, widest - 1)
-        proposal = drafter.propose(context, min(draft.max_k, room)) if room > 0 else []
-        source = getattr(drafter, "last_source", None)
-        proposal = proposal[: draft.choose(source, len(proposal))]
+        proposal, source = drafter.draft(context, room, draft) if room > 0 else ([], None)
         feed = torch.tensor([nxt, *proposal], dtype=torch.long)
         t0 = time.perf_counter()
         logits = runner.forward(feed, all_logits=True)
@@ -278,4 +408,10 @@ def speculative_generate(
             break
         nxt = int(choice[accepted])
     stats.tokens = len(out)
+    stats.draft_calls = _draft_calls(drafter) - draft_calls0
     return out, stats
+
+
+def _draft_calls(drafter) -> int:
+    model = drafter if isinstance(drafter, ModelDrafter) else getattr(drafter, "model", None)
+    return model.calls if isinstance(model, ModelDrafter) else 0

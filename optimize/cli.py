@@ -367,10 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--runner", choices=["auto", "llm", "python"], default="auto",
                    help=".pte: ExecuTorch's C++ text runner when the program allows it (auto, the default), "
                    "always (llm: an error if it cannot), or the Python loop (python)")
-    s.add_argument("--speculative", choices=["off", "ngram"], default="off",
+    s.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
                    help="ngram: prompt-lookup drafts verified several tokens a call through the .pte's verify method "
-                   "(export.executorch.verify_tokens); the same tokens as plain greedy, faster where the answer "
-                   "copies the prompt (default off)")
+                   "(export.executorch.verify_tokens); draft: the .pte's own draft model (the pipeline's draft block) "
+                   "where lookup finds nothing; either gives plain greedy's tokens (default off)")
     s.set_defaults(fn=cmd_run)
 
     s = command("setup", help="install what a check needs beyond pip: `optimize setup arm64` builds the ARM64 "

@@ -70,6 +70,22 @@ class ChecksConfig(Strict):
         "$OPTIMIZE_CACHE/baselines (the 4 most recently used; a few hundred MB each for a small model)")
 
 
+class DraftConfigBase(Strict):
+    """``draft``: a small model the run makes for speculative decoding (docs/executorch.md,
+    "A draft model"). Its ``stages`` run on a copy of the model as loaded, after the pipeline's own
+    stages (a depth- or width-``prune``, a ``distill`` whose teacher is the model as loaded, a
+    ``ptq_int8`` like the target's), each a report row named ``draft:<i>:<kind>``; the exporter
+    writes the result beside the target (an ExecuTorch program's ``draft`` method, which
+    ``optimize run --speculative draft`` drafts with). A ``distill`` stage with
+    ``frozen: [embeddings]`` keeps the loaded embedding table and head, which the program then stores
+    once for both models."""
+
+    gates: GatesConfig = Field(
+        default_factory=GatesConfig, description="gates on the draft's rows (default none: a draft is judged by "
+        "how often the target keeps its tokens, which the export row measures; the pipeline-wide gates do not "
+        "apply to it)")
+
+
 class PipelineConfigBase(Strict):
     version: Literal[1] = Field(description="config schema version; this release reads 1")
     name: str = Field("pipeline", min_length=1, description="run name; the default output dir is runs/<name>")
@@ -106,6 +122,7 @@ class PipelineConfigBase(Strict):
     )
 
     stages: list[StageConfig] = Field(default_factory=list)
+    draft: DraftConfigBase | None = None
 
     def run_dir(self) -> Path:
         return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
@@ -119,10 +136,18 @@ def _pipeline_model() -> type[PipelineConfigBase]:
         stage_type: Any = classes[0]
     else:
         stage_type = Annotated[Union[classes], Field(discriminator="kind")]  # type: ignore[valid-type]
+    draft = create_model(
+        "DraftConfig",
+        __base__=DraftConfigBase,
+        stages=(list[stage_type], Field(..., min_length=1, description="how the draft is made from the model as "
+                                        "loaded, in order (e.g. prune depth, distill, ptq_int8)")),
+    )
     return create_model(
         "PipelineConfig",
         __base__=PipelineConfigBase,
         stages=(list[stage_type], Field(default_factory=list, description="stages, run in order")),
+        draft=(draft | None, Field(None, description="a draft model for speculative decoding, made by its own "
+                                   "stages and exported beside the target (docs/executorch.md)")),
     )
 
 

@@ -61,9 +61,51 @@ def semantic_problems(cfg, check_files: bool = True) -> list[tuple[str, str]]:
             problems.extend(problems_from(exc, merged, prefix=f"export.{name}"))
         except ImportError as exc:
             problems.append((f"export.{name}", f"exporter cannot load: {exc}"))
+    problems += _draft_problems(cfg, profile)
     problems += _device_problems(cfg)
     problems += _task_problems(cfg, check_files)
     problems += _arm64_problems(cfg, check_files)
+    return problems
+
+
+def _draft_problems(cfg, profile) -> list[tuple[str, str]]:
+    """``draft``: a target whose exporter writes drafts, the verification they need, a draft quantized
+    where the target is, and ``draft_vocab`` only beside a draft."""
+    problems: list[tuple[str, str]] = []
+    draft = getattr(cfg, "draft", None)
+    vocab = (cfg.export.get("executorch") or {}).get("draft_vocab")
+    if draft is None:
+        if vocab is not None:
+            problems.append(("export.executorch.draft_vocab", "sizes the draft model's head, and this config has no "
+                             "draft block (add one, or drop draft_vocab)"))
+        return problems
+    for i, stage in enumerate(draft.stages):
+        scheme = stage.quant_scheme()
+        why = profile.check_scheme(scheme) if profile is not None and scheme is not None else None
+        if why:
+            problems.append((f"draft.stages.{i}", f"stage {stage.label(i)!r}: {why}"))
+    if profile is None:
+        return problems
+    try:
+        exporter = get_exporter(profile.exporter)
+    except Exception:  # reported at target / export
+        return problems
+    if not exporter.supports_draft:
+        return problems + [("draft", f"the {profile.exporter} exporter writes no draft model (executorch does: a "
+                                     "draft method beside forward and verify); remove the draft block for this target")]
+    try:
+        options = export_options(cfg, profile.exporter, profile)
+    except (ValidationError, ImportError):
+        return problems  # reported at export
+    if not getattr(options, "verify_tokens", None):
+        problems.append(("draft", f"the target's verify method checks the draft's tokens: set "
+                                  f"export.{profile.exporter}.verify_tokens (for example 5)"))
+    target_quant = [s.label(i) for i, s in enumerate(cfg.stages) if s.quant_scheme()]
+    if target_quant and getattr(options, "quantize", "none") == "none" \
+            and not any(s.quant_scheme() for s in draft.stages):
+        problems.append(("draft.stages", f"the target is quantized by stage {target_quant[-1]!r} and no draft stage "
+                                         "quantizes: an fp32 draft reads more bytes a token than it saves; add a "
+                                         "ptq_int8 stage to the draft"))
     return problems
 
 
@@ -197,6 +239,34 @@ def model_problems(cfg, model_config: Any = None) -> list[tuple[str, str]]:
         except Exception as exc:
             msgs = [f"its pre-flight check failed on this model ({type(exc).__name__}: {exc})"]
         problems += [("target", f"{profile.name} ({profile.exporter} exporter): {msg}") for msg in msgs]
+    draft = getattr(cfg, "draft", None)
+    if draft is not None:  # made from the model as loaded, by its own stages
+        problems += _draft_model_problems(draft, copy.deepcopy(model_config), cfg, profile)
+    return problems
+
+
+def _draft_model_problems(draft, config: Any, cfg, profile) -> list[tuple[str, str]]:
+    """The draft block's stages against the model as loaded (each on what the ones before leave), then
+    the exporter against the draft it makes."""
+    problems: list[tuple[str, str]] = []
+    for i, stage in enumerate(draft.stages):
+        try:
+            msgs = stage.check_model(config, profile)
+            config = stage.planned_config(config)
+        except Exception as exc:
+            return problems + [(f"draft.stages.{i}", f"stage {stage.label(i)!r}: its pre-flight check failed on this "
+                                                     f"model ({type(exc).__name__}: {exc})")]
+        problems += [(f"draft.stages.{i}", f"stage {stage.label(i)!r}: {msg}") for msg in msgs]
+    if profile is not None and not problems:
+        try:
+            msgs = get_exporter(profile.exporter).check_model(config, export_options(cfg, profile.exporter, profile))
+        except Exception as exc:
+            msgs = [f"its pre-flight check failed on the draft ({type(exc).__name__}: {exc})"]
+        problems += [("draft", f"{profile.name} ({profile.exporter} exporter), the draft model: {msg}") for msg in msgs]
+    vocab = getattr(export_options(cfg, profile.exporter, profile), "draft_vocab", None) if profile else None
+    size = getattr(config, "vocab_size", None)
+    if vocab is not None and size is not None and vocab > size:
+        problems.append(("export.executorch.draft_vocab", f"{vocab} is more than the model's {size} tokens"))
     return problems
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from export.base import ExportResult, get_exporter
+from export.base import DraftSpec, ExportResult, get_exporter
 from optimize import export_cache
 from optimize.config import PipelineConfigBase
 from optimize.checks.arm64 import arm64_gates, measure_arm64
 from optimize.config_checks import export_options
+from optimize.draft_rows import token_counts
 from optimize.footprint.memory import MemoryFootprint, footprint
 from optimize.footprint.predict import bytes_by_scheme, device_gates, packed_copy_bytes, predict, weight_bytes_per_token
 from optimize.gates_config import GateResult, GatesConfig, MetricGoal
@@ -32,11 +33,17 @@ from targets.devices import host_bandwidth, load_device
 log = logging.getLogger("optimize")
 
 
-def export_rows(state: RunState, model: torch.nn.Module, report: Report) -> None:
-    """Export (or reuse a cached export of) the final model; one gated row per artifact."""
+def export_rows(state: RunState, model: torch.nn.Module, report: Report, *,
+                draft: torch.nn.Module | None = None) -> None:
+    """Export (or reuse a cached export of) the final model, with ``draft`` (the draft block's model)
+    beside it; one gated row per artifact."""
     cfg, profile = state.cfg, state.profile
     exporter = get_exporter(profile.exporter)
     options = export_options(cfg, profile.exporter, profile)
+    extra = {}
+    if draft is not None:  # validate refused the draft block for exporters without drafts
+        vocab = int(model.get_input_embeddings().num_embeddings)
+        extra["draft"] = DraftSpec(draft, token_counts(state, vocab) if getattr(options, "draft_vocab", None) else None)
     out_dir = state.run_dir / "export" / profile.name
     label = f"export:{profile.name}"
     t0 = time.perf_counter()
@@ -64,7 +71,7 @@ def export_rows(state: RunState, model: torch.nn.Module, report: Report) -> None
             meter = PeakMemory(cpu).start()
             hub.begin(label, "export", message=f"exporting to {profile.name} ({profile.backend})")
             result = exporter.export(model, state.tokenizer, out_dir, options, calibration=state.calibration,
-                                     log=state.say)
+                                     log=state.say, **extra)
             hub.end(label, "export", message=str(result.artifact))
             exported = meter.stop()
             export_s = time.perf_counter() - t0

@@ -88,6 +88,11 @@ class FinetuneConfig(Strict):
         True, description="weights an earlier prune stage (unstructured / semi_structured) zeroed stay zero: "
         "their gradients are masked; false lets training refill them"
     )
+    frozen: list[str] = Field(
+        default_factory=list, description="parameters kept as they are: 'embeddings' (the input embedding and the "
+        "output projection, tied or not) and/or fnmatch patterns of parameter names (model.layers.0.*). A draft "
+        "model (the pipeline's draft block) that keeps the loaded embeddings shares them with the target in the "
+        "exported program")
 
     @model_validator(mode="after")
     def _alpha_needs_distill(self):
@@ -163,6 +168,7 @@ def train_in_place(
     checkpoint_every: int = 0,
     masks: dict[str, torch.Tensor] | None = None,
     on_step: Callable[[dict], None] | None = None,
+    frozen: set[str] = frozenset(),
 ) -> dict:
     """Train ``model`` in place with :func:`train.loop.train`; returns loss/tokens facts.
 
@@ -206,8 +212,8 @@ def train_in_place(
         hooks = []
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                for p in model.parameters():
-                    p.requires_grad_(True)
+                for n, p in model.named_parameters():
+                    p.requires_grad_(n not in frozen)
                 for name, mask in masks.items():
                     keep = mask.to(params[name].device, params[name].dtype)
                     hooks.append(params[name].register_hook(lambda g, keep=keep: g * keep))
@@ -279,6 +285,29 @@ def _step_events(progress: Callable[..., None], steps: int, who: str) -> Callabl
     return on_step
 
 
+def frozen_names(model: nn.Module, patterns: list[str], who: str) -> set[str]:
+    """The parameter names ``patterns`` select (``embeddings``: the input embedding's and the output
+    projection's); a pattern that selects nothing is refused, naming what there is."""
+    import fnmatch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: set[str] = set()
+    for pat in patterns:
+        if pat == "embeddings":
+            mods = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+            hit = {names[id(p)] for m in mods for p in m.parameters() if id(p) in names}
+        else:
+            hit = {n for n in names.values() if fnmatch.fnmatchcase(n, pat)}
+        if not hit:
+            sample = ", ".join(sorted(names.values())[:4])
+            raise FinetuneError(f"{who}: frozen pattern {pat!r} matches no parameter (use 'embeddings' or a pattern "
+                                f"of names such as {sample}, ...)")
+        out |= hit
+    if out and len(out) == len(names):
+        raise FinetuneError(f"{who}: frozen keeps every parameter; nothing would train")
+    return out
+
+
 def finetune(
     model: nn.Module,
     cfg: FinetuneConfig,
@@ -307,6 +336,7 @@ def finetune(
         teacher.eval()
         loss_fn = built = DistillLoss(teacher, temperature=cfg.temperature, alpha=cfg.alpha, chunk_size=cfg.chunk_size)
     masks = sparse_masks(model) if cfg.keep_sparsity else {}
+    frozen = frozen_names(model, cfg.frozen, who)
     resume_dir = None
     if work_dir is not None and cfg.checkpoint_every_n_steps:
         key = hashlib.sha256(json.dumps([cfg.model_dump(mode="json"), seed, who, fingerprint(model, teacher)],
@@ -335,6 +365,7 @@ def finetune(
             checkpoint_every=cfg.checkpoint_every_n_steps,
             masks=masks,
             on_step=on_step,
+            frozen=frozen,
         )
     finally:
         if built is not None:

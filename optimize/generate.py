@@ -18,13 +18,14 @@ from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
 from export.runtime import RunnerError, greedy_generate
-from export.speculative import speculative_generate
+from export.speculative import HybridDrafter, ModelDrafter, speculative_generate
 from optimize.quiet import LogOutput, console
 
 log = logging.getLogger(__name__)
 
 RunnerChoice = Literal["auto", "llm", "python"]
-SpeculativeChoice = Literal["off", "ngram"]
+SpeculativeChoice = Literal["off", "ngram", "draft"]
+SPECULATIVE_CHOICES = ("off", "ngram", "draft")
 
 
 def _stderr(msg: str) -> None:
@@ -47,8 +48,10 @@ def generate_from_artifact(
     ``speculative="ngram"`` decodes with prompt-lookup drafts verified several at a time
     (:mod:`export.speculative`) through the artifact's verification path (a ``.pte``'s ``verify``
     method): the same tokens as plain greedy decoding of that artifact, in fewer reads of the
-    weights where the answer copies its prompt; ``say`` gets the drafts' stats. It runs the Python
-    loop (ExecuTorch's C++ runner decodes one token a call), so ``runner="llm"`` is refused with it.
+    weights where the answer copies its prompt; ``speculative="draft"`` drafts with the artifact's own
+    draft model (the pipeline's ``draft`` block) where prompt lookup has nothing. ``say`` gets the
+    drafts' stats. It runs the Python loop (ExecuTorch's C++ runner decodes one token a call), so
+    ``runner="llm"`` is refused with it.
 
     What the native runtimes print themselves (ExecuTorch's cpuinfo lines on file descriptor 2, the
     C++ runner's newline on 1) never reaches the caller's streams: it is kept apart while they run
@@ -98,8 +101,8 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
         raise FileNotFoundError(f"artifact not found: {artifact}")
     if runner not in ("auto", "llm", "python"):
         raise ValueError(f"runner must be auto, llm or python, got {runner!r}")
-    if speculative not in ("off", "ngram"):
-        raise ValueError(f"speculative must be off or ngram, got {speculative!r}")
+    if speculative not in SPECULATIVE_CHOICES:
+        raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_CHOICES)}, got {speculative!r}")
     if speculative != "off" and runner == "llm":
         raise ValueError("--speculative decodes in the Python loop over the artifact's verify method; ExecuTorch's "
                          "C++ runner decodes one token a call (drop --runner llm, or use --speculative off)")
@@ -135,6 +138,9 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             stream.write(piece)
             stream.flush()
 
+    drafter = None
+    if speculative == "draft":  # refused here, before any decoding, where the artifact has no draft
+        drafter = HybridDrafter(ModelDrafter(loaded.draft_runner(), vocab_ids=loaded.draft_vocab))
     if speculative != "off":
         loaded = loaded.speculative_runner()  # refused here, before any decoding, where it has none
     if runner != "python" and speculative == "off":
@@ -171,21 +177,23 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             stamps.append(time.perf_counter())
             on_token(t)
 
-        _, stats = speculative_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=timed)
+        _, stats = speculative_generate(loaded, ids, max_new_tokens, drafter=drafter, eos_token_ids=eos,
+                                        on_token=timed)
         if stream is not None:
             stream.write("\n")
             stream.flush()
         if say is not None:
-            say(speculative_line(stats, stamps))
+            say(speculative_line(stats, stamps, speculative))
     return tok.decode(produced, skip_special_tokens=True)
 
 
-def speculative_line(stats, stamps: list[float]) -> str:
+def speculative_line(stats, stamps: list[float], mode: str = "ngram") -> str:
     """One line of what the drafts did, and the decode rate after the first token."""
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
     acc = f"{stats.accepted}/{stats.drafted} drafted tokens accepted" if stats.drafted else "no drafts"
-    return (f"[speculative ngram] {stats.tokens} tokens in {stats.calls} calls after the prefill "
-            f"({stats.tokens_per_call:.2f} a call), {acc}, decode {_rate(rate)} tok/s")
+    model = f", {stats.draft_calls} draft model calls" if stats.draft_calls else ""
+    return (f"[speculative {mode}] {stats.tokens} tokens in {stats.calls} calls after the prefill "
+            f"({stats.tokens_per_call:.2f} a call), {acc}{model}, decode {_rate(rate)} tok/s")
 
 
 def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int, write: Callable[[str], None], *,

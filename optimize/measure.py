@@ -123,9 +123,11 @@ def measure_runner(state: RunState, model: torch.nn.Module, runner: Runner, deta
             spec = speculative_compare(runner, state)
             if spec is not None:
                 details["speculative"] = spec
-                state.say(f"speculative decoding (prompt lookup through {spec['method']}): {spec['tokens']} tokens "
-                          f"{'equal' if spec['match'] else 'DIFFER from'} plain greedy, "
-                          f"{spec['tokens_per_call']:.2f} a call")
+                for how, r in (("prompt lookup", spec), ("draft model", spec.get("draft"))):
+                    if r is not None:
+                        state.say(f"speculative decoding ({how} through {spec['method']}): {r['tokens']} tokens "
+                                  f"{'equal' if r['match'] else 'DIFFER from'} plain greedy, "
+                                  f"{r['tokens_per_call']:.2f} a call")
     if cfg.checks.latency.enabled:
         fill_latency(m, runner, state)
         if hasattr(runner, "llm_runner_report"):  # a .pte: also through the C++ runner that apps embed
@@ -153,15 +155,35 @@ def speculative_compare(runner: Runner, state: RunState) -> dict | None:
     except RunnerError:
         return None
     head = state.prompt[: min(32, state.prompt.numel())].tolist()
-    prompt = head * 2
-    n = max(64, 4 * state.cfg.checks.generate_tokens)
-    if runner.max_seq_len is not None:
-        n = min(n, runner.max_seq_len - len(prompt))
-    plain = greedy_generate(runner, prompt, n)
-    got, stats = speculative_generate(fast, prompt, n, draft=DraftLength(measure=False))
-    diverged = first_divergence(got, plain)
-    return {"method": "verify", "verify_tokens": fast.verify_tokens,
-            "tokens": len(plain), "match": diverged is None, "diverged_at": diverged, **stats.as_dict()}
+
+    def compare(prompt: list[int], **kw) -> dict:
+        n = max(64, 4 * state.cfg.checks.generate_tokens)
+        if runner.max_seq_len is not None:
+            n = min(n, runner.max_seq_len - len(prompt))
+        plain = greedy_generate(runner, prompt, n)
+        got, stats = speculative_generate(fast, prompt, n, **kw)
+        diverged = first_divergence(got, plain)
+        return {"tokens": len(plain), "match": diverged is None, "diverged_at": diverged, **stats.as_dict()}
+
+    out = {"method": "verify", "verify_tokens": fast.verify_tokens,
+           **compare(head * 2, draft=DraftLength(measure=False))}
+    drafter = model_drafter(runner)
+    if drafter is not None:  # the draft method on the prompt as it is: open text, the draft model's case
+        out["draft"] = compare(head, drafter=drafter, draft=DraftLength(measure=False))
+        out["draft"]["method"] = "draft"
+    return out
+
+
+def model_drafter(runner: Runner):
+    """A :class:`~export.speculative.ModelDrafter` over the artifact's own draft model (a ``.pte``'s
+    ``draft`` method), or None where it has none."""
+    from export.runtime import RunnerError
+    from export.speculative import ModelDrafter
+
+    try:
+        return ModelDrafter(runner.draft_runner(), vocab_ids=runner.draft_vocab)
+    except RunnerError:
+        return None
 
 
 def greedy_compare(eager: Runner, runner: Runner, state: RunState) -> dict:

@@ -31,6 +31,7 @@ from optimize.checks.accuracy import BaselineLogits, eval_windows
 from optimize.config import PipelineConfigBase, dump_config, load_config
 from optimize.config_checks import model_problems
 from optimize.device import DTYPES, floating_dtype, place, resolve_device
+from optimize.draft_rows import draft_digest, run_draft
 from optimize.errors import ConfigError
 from optimize.export_rows import export_rows
 from optimize.measure import RunState, measure_baseline, score_row_tasks
@@ -208,20 +209,32 @@ def _run(cfg: PipelineConfigBase, run_dir: Path, report: Report, say, progress: 
     state.baseline_metrics = base_row.metrics
     report.rows.append(base_row)
     report.last_good_artifact = str(loaded.local_dir) if loaded.local_dir else None
-    # a teacher copy only for the stages that read one: a 1B model in 24 GiB cannot hold two
+    # a teacher copy only for the stages that read one (and for a draft, which starts from it):
+    # a 1B model in 24 GiB cannot hold two
     teachers = any(get_stage(s.kind).uses_baseline for s in cfg.stages)
-    baseline_model = copy.deepcopy(model) if teachers else None
+    baseline_model = copy.deepcopy(model) if teachers or cfg.draft is not None else None
 
     # ---- stages (resume from the longest finished prefix; optimize/stage_rows.py)
-    model = run_stages(state, report, model, config_dump=config_dump, baseline_model=baseline_model, device=device,
-                       dtype=dtype, progress=progress)
+    model = run_stages(state, report, model, config_dump=config_dump, baseline_model=baseline_model if teachers else None,
+                       device=device, dtype=dtype, progress=progress)
     if model is None:
         return
+    draft = None
+    if cfg.draft is not None:  # ---- the draft model, from the model as loaded (optimize/draft_rows.py)
+        draft = run_draft(state, report, baseline_model, config_dump=config_dump, device=device, dtype=dtype,
+                          progress=progress)
+        if draft is None:
+            return
+    del baseline_model
 
     if profile is not None:
         state.model_digest = ckpt.prefix_hash(config_dump, len(cfg.stages) - 1)
+        if draft is not None:
+            state.model_digest += "+draft-" + draft_digest(config_dump)
+        cpu = torch.device("cpu")
         # exporters trace and lower on the CPU, in the dtype the model was loaded in
-        export_rows(state, place(model, torch.device("cpu"), loaded_dtype), report)
+        export_rows(state, place(model, cpu, loaded_dtype), report,
+                    draft=place(draft, cpu, loaded_dtype) if draft is not None else None)
 
 
 def _device_facts(device: torch.device, dtype: torch.dtype) -> dict:

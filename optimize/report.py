@@ -187,10 +187,20 @@ def runtime_lines(report: Report) -> list[str]:
             lines.append(f"- {r.name}, ExecuTorch C++ runner not used: {llm.get('reason')}")
         spec = d.get("speculative")
         if spec:
-            lines.append(f"- {r.name}, speculative decoding (prompt lookup through `{spec['method']}`, drafts of up to "
-                         f"{(spec.get('verify_tokens') or 2) - 1} tokens): {spec['tokens']} greedy tokens "
-                         + ("equal plain decoding's" if spec["match"] else f"DIFFER from plain decoding's at "
-                            f"{spec['diverged_at']}") + f", {spec['tokens_per_call']:.2f} tokens a call")
+            for how, x in (("prompt lookup", spec), ("the draft model", spec.get("draft"))):
+                if not x:
+                    continue
+                acc = f", {x['accepted']}/{x['drafted']} drafted tokens kept" if x.get("drafted") else ""
+                lines.append(f"- {r.name}, speculative decoding ({how} through `{spec['method']}`, drafts of up to "
+                             f"{(spec.get('verify_tokens') or 2) - 1} tokens): {x['tokens']} greedy tokens "
+                             + ("equal plain decoding's" if x["match"] else f"DIFFER from plain decoding's at "
+                                f"{x['diverged_at']}") + f", {x['tokens_per_call']:.2f} tokens a call{acc}")
+        drafted = (d.get("llm_ops") or {}).get("draft_method")
+        if drafted:
+            lines.append(f"- {r.name}, draft model (method `{drafted['method']}`): {drafted['layers']} layers, "
+                         f"{drafted['own_bytes'] / 2**20:.1f} MiB of its own, {drafted['shared_bytes'] / 2**20:.1f} MiB "
+                         "stored once with the target" + (f", head over {drafted['vocab']} tokens" if drafted.get("vocab")
+                                                          else ""))
     return lines
 
 

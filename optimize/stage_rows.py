@@ -12,6 +12,7 @@ import contextlib
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from optimize import checkpoints as ckpt
 from optimize.device import place
+from optimize.gates_config import GatesConfig
 from optimize.measure import RunState, checks_key, measure_eager, score_row_tasks
 from optimize.progress import current_hub
 from optimize.report import Report, StageRow
@@ -29,21 +31,50 @@ from optimize.stage_cache import CHECKS_FILE, StageCache, measured_with
 from targets.atomic import atomic_write_json
 
 
-def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, config_dump: dict,
-               baseline_model: torch.nn.Module | None, device: torch.device, dtype: torch.dtype,
-               progress: bool) -> torch.nn.Module | None:
-    """Every stage of the run in order; the model after the last, or None where a stage's error or
-    a gate stopped the run (its row recorded, the last good model named in the report)."""
-    cfg, say = state.cfg, state.say
+@dataclass
+class StageSeq:
+    """Stages run in order from one model, each with its row, gates and checkpoint: the pipeline's own
+    (:func:`main_stages`), or the draft block's (:mod:`optimize.draft_rows`)."""
+
+    stages: list
+    #: what determines the model after each stage (its checkpoint's key)
+    digests: list[str]
+    dirs: list[Path]
+    #: each stage's row name
+    names: list[str]
+    #: the gates every row is held to before a stage's own
+    gates: GatesConfig
+    #: whether the stage cache (``stage_cache: true``) serves these stages
+    cacheable: bool = True
+    #: what the progress bar calls them
+    desc: str = "stages"
+
+
+def main_stages(state: RunState, config_dump: dict) -> StageSeq:
+    """The pipeline's ``stages``, checkpointed under ``<run>/stages``."""
+    cfg = state.cfg
     digests = [ckpt.prefix_hash(config_dump, i) for i in range(len(cfg.stages))]
     dirs = [ckpt.stage_dir(state.run_dir, i, s.kind, d) for i, (s, d) in enumerate(zip(cfg.stages, digests))]
+    return StageSeq(list(cfg.stages), digests, dirs, [s.label(i) for i, s in enumerate(cfg.stages)], cfg.gates)
+
+
+def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, config_dump: dict,
+               baseline_model: torch.nn.Module | None, device: torch.device, dtype: torch.dtype,
+               progress: bool, seq: StageSeq | None = None) -> torch.nn.Module | None:
+    """Every stage of ``seq`` (default: the run's ``stages``) in order; the model after the last, or None
+    where a stage's error or a gate stopped the run (its row recorded, the last good model named in the
+    report)."""
+    cfg, say = state.cfg, state.say
+    seq = seq if seq is not None else main_stages(state, config_dump)
+    stages, dirs = seq.stages, seq.dirs
     done = 0
     if cfg.resume:
         while done < len(dirs) and ckpt.is_complete(dirs[done]):
             done += 1
-    cache = _stage_cache(state, config_dump, model, device, dtype) if cfg.stage_cache else None
+    cache = (_stage_cache(state, config_dump, model, device, dtype)
+             if cfg.stage_cache and seq.cacheable else None)
     if done:
-        restores = restorers(cfg.stages[:done])
+        restores = restorers(stages[:done])
         model, _ = ckpt.load_stage(dirs[done - 1], restores)
         model = place(model, device, dtype)
         for i in range(done):
@@ -51,16 +82,16 @@ def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, confi
             row.status = "resumed" if row.status == "pass" else row.status
             report.rows.append(row)
         report.last_good_artifact = str(dirs[done - 1])
-        state.quantized = any(s.quant_scheme() for s in cfg.stages[:done])
-        say(f"resuming: stage{'s' if done > 1 else ''} 0..{done - 1} finished in an earlier run "
-            f"({dirs[done - 1].name}); starting at stage {done}" if done < len(dirs) else
-            f"resuming: all {done} stages finished in an earlier run")
+        state.quantized = any(s.quant_scheme() for s in stages[:done])
+        say(f"resuming: {seq.desc} {seq.names[0]}..{seq.names[done - 1]} finished in an earlier run "
+            f"({dirs[done - 1].name}); starting at {seq.names[done]}" if done < len(dirs) else
+            f"resuming: all {done} {seq.desc} finished in an earlier run")
 
     hub = current_hub()
-    bar = tqdm(total=len(cfg.stages), initial=done, desc="stages", unit="stage", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(stages), initial=done, desc=seq.desc, unit="stage", file=sys.stderr, disable=not progress)
     try:
-        for i in range(done, len(cfg.stages)):
-            bar.set_postfix_str(cfg.stages[i].label(i))
+        for i in range(done, len(stages)):
+            bar.set_postfix_str(seq.names[i])
             # with the stage cache, one process computes a stage while another that needs it waits, then reuses it
             with cache.claim(i) if cache is not None else contextlib.nullcontext():
                 reused = _load_cached_stage(state, cache, dirs[i], i) if cache is not None else None
@@ -69,7 +100,7 @@ def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, confi
                     if not _reuse_cached_stage(state, report, model, dirs[i], i, cache.checks_key):
                         return None
                 else:
-                    model = _compute_stage(state, report, model, i, dirs[i], cache=cache, baseline_model=baseline_model,
+                    model = _compute_stage(state, report, model, seq, i, cache=cache, baseline_model=baseline_model,
                                            device=device, dtype=dtype, hub=hub)
                     if model is None:
                         return None
@@ -79,22 +110,22 @@ def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, confi
     return model
 
 
-def _compute_stage(state: RunState, report: Report, model: torch.nn.Module, i: int, stage_dir: Path, *, cache,
+def _compute_stage(state: RunState, report: Report, model: torch.nn.Module, seq: StageSeq, i: int, *, cache,
                    baseline_model: torch.nn.Module | None, device: torch.device, dtype: torch.dtype,
                    hub) -> torch.nn.Module | None:
-    """Stage ``i`` run, measured, gated and checkpointed: the model after it, or None where its error or a
-    failed gate stops the run."""
+    """Stage ``i`` of ``seq`` run, measured, gated and checkpointed: the model after it, or None where its
+    error or a failed gate stops the run."""
     cfg, say = state.cfg, state.say
-    stage_cfg = cfg.stages[i]
+    stage_cfg, stage_dir = seq.stages[i], seq.dirs[i]
     spec = get_stage(stage_cfg.kind)
-    label = stage_cfg.label(i)
+    label = seq.names[i]
     say(f"stage {label}: {spec.description}")
     row = StageRow(index=i, name=label, kind=stage_cfg.kind)
     t0 = time.perf_counter()
     release_free_heap()  # what the last row's checks freed: the row starts from what is in use
     meter = PeakMemory(device).start()
     ctx = StageContext(tokenizer=state.tokenizer, calibration=state.calibration, train_ids=state.train_ids,
-                       target=state.profile, work_dir=state.run_dir / "work" / f"{i:02d}-{stage_cfg.kind}",
+                       target=state.profile, work_dir=state.run_dir / "work" / stage_dir.name.rsplit("-", 1)[0],
                        seed=cfg.seed, baseline_model=baseline_model, log=say, device=device, dtype=dtype,
                        on_progress=hub.for_stage(label), cache_dir=cache.root.parent if cache else None)
     ctx.work_dir.mkdir(parents=True, exist_ok=True)
@@ -118,7 +149,7 @@ def _compute_stage(state: RunState, report: Report, model: torch.nn.Module, i: i
         return None
     row.resources = meter.stop()
     hub.end(label)
-    if not record_gated(report, row, cfg.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
+    if not record_gated(report, row, seq.gates.merged_with(stage_cfg.gates), state.baseline_metrics, t0, say):
         return None
     row.artifact = str(stage_dir)
     ckpt.save_stage(stage_dir, model, row.model_dump(mode="json"), stage_cfg.model_dump(mode="json"))

@@ -29,7 +29,7 @@ import torch
 
 from targets.atomic import atomic_dir, sha256_file
 from targets.moe import dense_experts
-from export.base import EXECUTORCH_TOOLCHAIN, ExportError, ExportOptions, ExportResult, Exporter
+from export.base import EXECUTORCH_TOOLCHAIN, DraftSpec, ExportError, ExportOptions, ExportResult, Exporter
 from export.base import eos_token_ids, package_versions
 from export.executorch.inspection import _check_custom_ops, _delegation, _program_calls
 from export.executorch.options import ExecuTorchOptions, _resolve_max_seq_len, model_problems
@@ -128,14 +128,16 @@ def _export_decoder(decoder, chunk: int, plan, eager_schemes: dict, rows: int = 
     return ep, passes
 
 
-def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *, log=print) -> tuple[bytes, dict]:
-    """One self-contained program: :func:`lower_program` with the weights embedded.
+def lower_to_pte(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *, log=print,
+                 **draft) -> tuple[bytes, dict]:
+    """One self-contained program: :func:`lower_program` with the weights embedded (``draft`` and
+    ``draft_vocab`` passed through).
 
     Returns the program bytes and details (delegation, custom ops, quantization mix, timings).
     """
     if opts.weights != "embedded":
         raise ExportError("lower_to_pte returns one self-contained program; weights: external needs lower_program")
-    pte, _, details = lower_program(model, tokenizer, opts, log=log)
+    pte, _, details = lower_program(model, tokenizer, opts, log=log, **draft)
     return pte, details
 
 
@@ -159,20 +161,52 @@ def _tag_weights_external(ep: torch.export.ExportedProgram) -> None:
             tagged.add(node)
 
 
+def _prepared(model: torch.nn.Module, opts: ExecuTorchOptions, dtype: torch.dtype,
+              head_ids: list[int] | None = None) -> tuple[torch.nn.Module, dict]:
+    """A copy of ``model`` ready to trace: experts dense, floats cast, quantized as ``opts`` asks
+    (``head_ids``: first restricted to those output rows, a draft's partial vocabulary), RMSNorm and
+    tanh-GELU in XNNPACK's ops, projections fused; with what was done, for the details."""
+    from export.executorch.delegable import swap_rms_norms, swap_tanh_gelus
+    from export.executorch.draft import restrict_head
+    from export.executorch.fusion import fuse_projections
+
+    # Work on a copy: quantize_, the norm swap and the attention switch mutate the module, and
+    # the pipeline keeps using the model it handed us.
+    model = copy.deepcopy(model).eval()
+    # a mixture of experts runs every expert on every token, weighted by its routing weight (0 where
+    # not routed): the same function, with no data-dependent shapes for torch.export (targets/moe.py)
+    experts = dense_experts(model)
+    _cast_floats(model, dtype)
+    if head_ids is not None:
+        restrict_head(model, head_ids)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    decided = apply_quantization(model, opts)
+    _refuse_weight_only(model)
+    facts = {"experts": experts, "tied": tied, "decided": decided, "mix": quantization_mix(model),
+             "eager_schemes": module_schemes(model)}
+    facts["norms"] = swap_rms_norms(model)
+    facts["gelus"] = swap_tanh_gelus(model)
+    facts["fusion"] = fuse_projections(model) if opts.fuse_projections else None
+    return model, facts
+
+
 def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOptions, *,
+                  draft: torch.nn.Module | None = None, draft_vocab: list[int] | None = None,
                   log=print) -> tuple[bytes, bytes | None, dict]:
     """Quantize a copy of ``model`` as ``opts`` asks, swap in ExecuTorch's LLM ops, export, lower.
 
     Attention and the KV cache go through ``llama::custom_sdpa`` / ``llama::update_cache``
-    (:mod:`export.executorch.llm`); everything else is delegated to XNNPACK. Returns the
-    program, the external weights (``weights: external``, else None) and details.
+    (:mod:`export.executorch.llm`); everything else is delegated to XNNPACK. ``draft`` (a small model
+    sharing the tokenizer) becomes the ``draft`` method beside ``verify`` (``draft_vocab``: its head's
+    token ids, a partial vocabulary; :mod:`export.executorch.draft`). Returns the program, the external
+    weights (``weights: external``, else None) and details.
     """
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    from export.executorch.delegable import swap_rms_norms, swap_tanh_gelus
-    from export.executorch.fusion import fuse_projections
+    from export.executorch.draft import DRAFT_METHOD, DRAFT_VOCAB_META, DraftDecoder, own_bytes
     from export.executorch.llm import ExecuTorchDecoder, _text_config, plan_layers
     from export.executorch.xnnpack_boundaries import count_residual_adds
     from export.executorch.lowering_cost import (applicable_passes_only, in_place_legalize,
@@ -188,22 +222,11 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
         raise ExportError("; ".join(problems))
     plan = plan_layers(config, n)
     dtype = getattr(torch, opts.dtype)
-    # Work on a copy: quantize_, the norm swap and the attention switch mutate the module, and
-    # the pipeline keeps using the model it handed us.
-    model = copy.deepcopy(model).eval()
-    # a mixture of experts runs every expert on every token, weighted by its routing weight (0 where
-    # not routed): the same function, with no data-dependent shapes for torch.export (targets/moe.py)
-    experts = dense_experts(model)
-    _cast_floats(model, dtype)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
-    decided = apply_quantization(model, opts)
-    _refuse_weight_only(model)
-    mix = quantization_mix(model)
-    eager_schemes = module_schemes(model)
-    norms = swap_rms_norms(model)
-    gelus = swap_tanh_gelus(model)
-    fusion = fuse_projections(model) if opts.fuse_projections else None
+    if draft is not None and not opts.verify_tokens:
+        raise ExportError("a draft model is verified by the verify method: set verify_tokens (for example 5)")
+    model, facts = _prepared(model, opts, dtype)
+    experts, tied, decided, mix, eager_schemes, norms, gelus, fusion = (
+        facts[k] for k in ("experts", "tied", "decided", "mix", "eager_schemes", "norms", "gelus", "fusion"))
 
     timings = {}
     t0 = time.perf_counter()
@@ -220,10 +243,25 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
     if rows:  # speculative decoding's verification calls, on forward's cache (shared mutable buffers below)
         programs[VERIFY_METHOD], _ = _export_decoder(
             ExecuTorchDecoder(model, plan, dtype=dtype, verify_rows=rows).eval(), rows, plan, eager_schemes, rows)
+    drafted = None
+    if draft is not None:  # its own cache (buffers named draft.*), every constant it shares with the target stored once
+        problems = model_problems(draft.config, opts)
+        if problems:
+            raise ExportError("draft model: " + "; ".join(problems))
+        dmodel, dfacts = _prepared(draft, opts, dtype, head_ids=draft_vocab)
+        dplan = plan_layers(dmodel.config, n)
+        programs[DRAFT_METHOD], dpasses = _export_decoder(
+            DraftDecoder(ExecuTorchDecoder(dmodel, dplan, dtype=dtype, last_logits=True)).eval(), chunk, dplan,
+            dfacts["eager_schemes"])
+        drafted = {"method": DRAFT_METHOD, "layers": len(dplan.layers), "linear": dfacts["mix"],
+                   "vocab": len(draft_vocab) if draft_vocab is not None else None, **own_bytes(dmodel, model)}
+        del dmodel
     timings["torch_export_s"] = time.perf_counter() - t0
     reshapes, splits, custom_ops, graph_schemes, merged, transposes, joint_rope = (
         passes[k] for k in ("reshapes", "splits", "custom_ops", "graph_schemes", "merged", "transposes", "joint_rope"))
     meta = _metadata(model, tokenizer, opts, n, chunk, plan)
+    if draft_vocab is not None:
+        meta[DRAFT_VOCAB_META] = [int(t) for t in draft_vocab]
     external = opts.weights == "external"
     if external:
         for program in programs.values():
@@ -249,6 +287,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
         delegation = _delegation(edge.exported_program().graph_module)
         if rows:
             delegation[VERIFY_METHOD] = _delegation(edge.exported_program(VERIFY_METHOD).graph_module)
+        if drafted is not None:
+            delegation[DRAFT_METHOD] = _delegation(edge.exported_program(DRAFT_METHOD).graph_module)
         boundaries = count_residual_adds(edge.exported_program().graph_module, hidden) if hidden else 0
         # quant fusion turns torchao's dequantize+embedding into quantized_decomposed::embedding_*;
         # graph inputs are not planned into the arena (the runner owns them)
@@ -264,6 +304,8 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
         delegation.update(_program_calls(prog))
         if rows:
             delegation[VERIFY_METHOD].update(_program_calls(prog, VERIFY_METHOD))
+        if drafted is not None:
+            delegation[DRAFT_METHOD].update(_program_calls(prog, DRAFT_METHOD))
     except Exception as exc:
         raise ExportError(f"lowering to ExecuTorch/XNNPACK failed: {exc}") from exc
     timings["lower_s"] = time.perf_counter() - t0
@@ -276,6 +318,7 @@ def lower_program(model: torch.nn.Module, tokenizer: Any, opts: ExecuTorchOption
                            "static_reshapes": reshapes, "splits_as_slices": splits, "logits": opts.logits,
                            "scoring_method": SCORING_METHOD if scoring else None,
                            "verify_method": {"name": VERIFY_METHOD, "max_tokens": rows} if rows else None,
+                           "draft_method": drafted,
                            "fused_projections": fusion, "merged_linears": merged,
                            "residual_boundaries": boundaries, "head_transposes_removed": transposes,
                            "joint_rope_layers": joint_rope, "xnnpack_passes_skipped": skipped,
@@ -321,6 +364,7 @@ class ExecuTorchExporter(Exporter):
     name = "executorch"
     options_model = ExecuTorchOptions
     suffixes = (".pte",)
+    supports_draft = True
 
     def export(
         self,
@@ -330,6 +374,7 @@ class ExecuTorchExporter(Exporter):
         options: ExportOptions | dict | None = None,
         *,
         calibration: Sequence[torch.Tensor] = (),
+        draft: DraftSpec | None = None,
         log=print,
     ) -> ExportResult:
         """Write ``model.pte``, the tokenizer files and ``manifest.json`` into ``out_dir``.
@@ -337,14 +382,23 @@ class ExecuTorchExporter(Exporter):
         The directory is built beside ``out_dir`` and swapped in whole (``atomic_dir``) once the
         program loads and the manifest (written last) lists every file's sha256: at every
         instant ``out_dir`` holds either the previous complete export with its manifest or the
-        new one. ``calibration`` is unused: torchao's schemes here are dynamic.
+        new one. ``calibration`` is unused: torchao's schemes here are dynamic. ``draft`` becomes
+        the program's ``draft`` method (:mod:`export.executorch.draft`).
         """
         opts = options if isinstance(options, ExecuTorchOptions) else ExecuTorchOptions.model_validate(options or {})
         out_dir = Path(out_dir)
+        extra = {}
+        if draft is not None:
+            from export.executorch.draft import vocabulary
+
+            vocab = int(model.get_input_embeddings().num_embeddings)
+            extra = {"draft": draft.model,
+                     "draft_vocab": vocabulary(draft.token_counts, vocab, opts.draft_vocab,
+                                               keep=eos_token_ids(model, tokenizer)) if opts.draft_vocab else None}
         if opts.weights == "embedded":
-            (data, details), ptd = lower_to_pte(model, tokenizer, opts, log=log), None
+            (data, details), ptd = lower_to_pte(model, tokenizer, opts, log=log, **extra), None
         else:
-            data, ptd, details = lower_program(model, tokenizer, opts, log=log)
+            data, ptd, details = lower_program(model, tokenizer, opts, log=log, **extra)
         config = getattr(model, "config", None)
         with atomic_dir(out_dir) as tmp:
             (tmp / PTE_NAME).write_bytes(data)

@@ -90,6 +90,15 @@ class ExecuTorchOptions(ExportOptions):
         "exported. Costs a second lowering at export time and, once loaded, a second copy of XNNPACK's packed "
         "weights in memory",
     )
+    draft_vocab: int | None = Field(
+        None,
+        ge=2,
+        description="with the pipeline's draft block: the draft's head covers only this many tokens (the run's "
+        "text's most frequent, the special tokens, then the lowest ids), so a draft token reads that many rows "
+        "of the head instead of the whole vocabulary's; its map is the constant method get_draft_vocab. A token "
+        "outside it is never drafted (output unchanged, only acceptance pays). null: the draft's whole head, "
+        "stored once when it is the target's",
+    )
     fuse_projections: bool = Field(
         True,
         description="run q/k/v and gate/up, which read the same input, as one GEMM each (their weights "

@@ -35,6 +35,7 @@ META_METHODS = (
     "get_vocab_size",
     "get_bos_id",
     "get_eos_ids",
+    "get_draft_vocab",
     "use_kv_cache",
     "enable_dynamic_shape",
     "tokenizer_type",
@@ -48,6 +49,10 @@ SCORING_METHOD = "forward_all"
 #: the method the exporter's ``verify_tokens`` adds: up to that many tokens a call, every position's
 #: logits equal to one-token ``forward`` calls', on ``forward``'s own KV cache (speculative decoding)
 VERIFY_METHOD = "verify"
+#: the method the pipeline's draft block adds: a draft model with its own KV cache (export/executorch/draft.py)
+DRAFT_METHOD = "draft"
+#: metadata methods whose value is a list
+LIST_META = ("get_eos_ids", "get_draft_vocab")
 
 
 def set_threads(n: int) -> int:
@@ -122,7 +127,7 @@ class ExecuTorchRunner(Runner):
                     value = self._program.load_method(name).execute([])
                 except Exception as exc:
                     raise RunnerError(f"cannot read metadata {name!r} from {self.path}: {exc}") from None
-                meta[name] = list(value) if name == "get_eos_ids" else value[0]
+                meta[name] = list(value) if name in LIST_META else value[0]
         if "get_max_seq_len" not in meta:
             raise RunnerError(
                 f"{self.path} has no get_max_seq_len method; it was not written by the edge-optimize "
@@ -213,6 +218,25 @@ class ExecuTorchRunner(Runner):
         other.verify_tokens = int(verify.metadata.input_tensor_meta(0).sizes()[-1])
         other.reset()
         return other
+
+    def draft_runner(self) -> "ExecuTorchRunner":
+        """A runner over the program's ``draft`` method: the draft model the pipeline's ``draft`` block made,
+        with a KV cache of its own (prefill and one-token steps, last position's logits over its head's
+        vocabulary: ``draft_vocab`` maps a partial one back to token ids). Refused for a program without it."""
+        names = set(self._program.method_names)
+        if DRAFT_METHOD not in names:
+            raise RunnerError(f"{self.path.name} has no {DRAFT_METHOD!r} method (methods: {', '.join(sorted(names))}); "
+                              "export it with the pipeline's draft block to decode with a draft model")
+        other = copy.copy(self)
+        other._llm, other._verify, other.verify_tokens, other.draft_policy = None, None, None, None
+        other._bind(DRAFT_METHOD)
+        other.reset()
+        return other
+
+    @property
+    def draft_vocab(self) -> list[int] | None:
+        """The draft head's row -> token id (None: the whole vocabulary, or no draft)."""
+        return self.meta.get("get_draft_vocab")
 
     def forward(self, ids: torch.Tensor, *, all_logits: bool = True) -> torch.Tensor:
         ids = self.checked_ids(ids)

@@ -10,7 +10,9 @@ a depth ``prune`` each student block is matched to the teacher block it came fro
 ``config.pruning``), and a learned projection bridges different hidden sizes (a larger
 teacher). Training runs on the shared loop (``train.loop``) through
 :func:`optimize.finetune.finetune`, on ``ctx.train_ids``, which is disjoint from the
-evaluation text; with ``checkpoint_every_n_steps`` a killed run resumes mid-stage.
+evaluation text; with ``checkpoint_every_n_steps`` a killed run resumes mid-stage. ``data:
+teacher_answers`` (or ``both``) trains on the teacher's own greedy answers to prompts made from that
+text instead (:mod:`optimize.teacher_answers`), what a speculative-decoding draft must predict.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from optimize.finetune import FinetuneConfig, finetune
 from optimize.losses import DistillLoss
 from optimize.prune.records import kept_hidden, layer_map
 from optimize.stage_api import StageConfig, StageContext, register_stage
+from optimize.teacher_answers import TeacherAnswers, teacher_answers
 from train.model_parts import decoder_blocks
 from targets.sources import ModelSource, load_model
 
@@ -53,6 +56,19 @@ class DistillConfig(TrainingStageConfig):
         None, min_length=1, description="hidden_weight only: student block -> teacher block; default: from the "
         "prune stages' record (a depth-pruned student maps to the blocks it kept), else spread evenly"
     )
+    data: Literal["text", "teacher_answers", "both"] = Field(
+        "text", description="what the student trains on: the run's training text; the teacher's own greedy answers to "
+        "prompts made from that text (optimize/teacher_answers.py: what a speculative-decoding draft must predict); "
+        "or both, answers first")
+    answers: TeacherAnswers | None = Field(
+        None, description="data: teacher_answers / both: how many answers the teacher writes (default 240 prompts, "
+        "answers of up to 128 tokens)")
+
+    @model_validator(mode="after")
+    def _answers_with_data(self) -> "DistillConfig":
+        if self.answers is not None and self.data == "text":
+            raise ValueError("answers sizes the teacher's answers; it applies with data: teacher_answers or both")
+        return self
 
     @model_validator(mode="after")
     def _hidden_options(self) -> "DistillConfig":
@@ -104,11 +120,22 @@ def resolve_teacher(model: nn.Module, source, ctx: StageContext, who: str) -> nn
 
 
 def run_training(model: nn.Module, cfg: TrainingStageConfig, ctx: StageContext, teacher: nn.Module | None, who: str,
-                 loss_fn=None) -> dict:
-    """Fine-tune ``model`` in place with the stage's settings: KL to ``teacher`` (loss: distill) or LM loss.
-    Each training step is reported through ``ctx.progress`` (phase ``train``: step, loss, tokens/s, ETA)."""
-    return finetune(model, cfg, ctx.train_ids, teacher=teacher, loss_fn=loss_fn, seed=ctx.seed, who=who,
-                    log=ctx.log, work_dir=ctx.work_dir, progress=ctx.progress)
+                 loss_fn=None, train_ids: torch.Tensor | None = None) -> dict:
+    """Fine-tune ``model`` in place with the stage's settings: KL to ``teacher`` (loss: distill) or LM loss, on
+    ``train_ids`` (default: the run's training text). Each training step is reported through ``ctx.progress``
+    (phase ``train``: step, loss, tokens/s, ETA)."""
+    return finetune(model, cfg, ctx.train_ids if train_ids is None else train_ids, teacher=teacher, loss_fn=loss_fn,
+                    seed=ctx.seed, who=who, log=ctx.log, work_dir=ctx.work_dir, progress=ctx.progress)
+
+
+def training_text(cfg: DistillConfig, ctx: StageContext, teacher: nn.Module | None) -> tuple[torch.Tensor, dict]:
+    """The stage's training tokens (``data``) and what they are, for the details."""
+    if cfg.data == "text":
+        return ctx.train_ids, {"data": "text"}
+    answers = teacher_answers(teacher, ctx.tokenizer, ctx.train_ids, cfg.answers or TeacherAnswers(), seed=ctx.seed,
+                              work_dir=ctx.work_dir, log=ctx.log, progress=ctx.progress)
+    ids = answers if cfg.data == "teacher_answers" else torch.cat([answers, ctx.train_ids.long()])
+    return ids, {"data": cfg.data, "answer_tokens": int(answers.numel()), "train_tokens": int(ids.numel())}
 
 
 def _blocks(m: nn.Module) -> int:
@@ -155,7 +182,10 @@ def _projection(d_in: int, d_out: int, seed: int, like: torch.Tensor, kept: list
 @register_stage("distill", DistillConfig, uses_baseline=True)
 def distill(model: nn.Module, cfg: DistillConfig, ctx: StageContext) -> nn.Module:
     """Knowledge distillation on train text: KL to a teacher (default: the pre-pipeline model), optional CE and hidden-state MSE."""
-    teacher = resolve_teacher(model, cfg.teacher, ctx, "distill") if cfg.loss == "distill" else None
+    teacher = resolve_teacher(model, cfg.teacher, ctx, "distill") if cfg.loss == "distill" or cfg.data != "text" else None
+    ids, data = training_text(cfg, ctx, teacher)  # the teacher's answers first, where the stage trains on them
+    if cfg.loss != "distill":
+        teacher = None
     loss_fn, hidden = None, {}
     if cfg.hidden_weight > 0:
         mapping, how, d_s, d_t = hidden_plan(model, teacher, cfg)
@@ -171,7 +201,7 @@ def distill(model: nn.Module, cfg: DistillConfig, ctx: StageContext) -> nn.Modul
                   "layer_map_from": how, "projection": f"learned Linear {d_s}->{d_t}" if proj is not None else None,
                   "projection_init": init}
     try:
-        facts = run_training(model, cfg, ctx, teacher, "distill", loss_fn)
+        facts = run_training(model, cfg, ctx, teacher, "distill", loss_fn, train_ids=ids)
     finally:
         if loss_fn is not None:
             loss_fn.close()
@@ -182,6 +212,7 @@ def distill(model: nn.Module, cfg: DistillConfig, ctx: StageContext) -> nn.Modul
             "teacher": cfg.teacher.model_dump(mode="json") if cfg.teacher is not None else "baseline (pre-pipeline model)",
             "temperature": cfg.temperature,
             "alpha": cfg.alpha,
+            **data,
             **hidden,
             "grad_accum_steps": cfg.batch.grad_accum_steps,
             "micro_batch_size": cfg.batch.micro_batch_size,

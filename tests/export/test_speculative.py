@@ -192,3 +192,104 @@ def test_the_runner_keeps_its_draft_policy_across_generations(family_model):
     speculative_generate(runner, _prompts()[2], 20)
     assert runner.draft_policy is policy
     assert EagerRunner(model).draft_policy is None  # per runner, not per class
+
+
+# ---- a draft model's tokens (ModelDrafter, HybridDrafter)
+
+
+def _draft_of(model, layers: int):
+    """A depth-pruned copy of ``model``: its first ``layers`` blocks, its embedding, final norm and head."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    inner = draft.model
+    inner.layers = inner.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    return draft.eval()
+
+
+@pytest.mark.parametrize("mode", ["model", "hybrid"])
+def test_a_draft_model_keeps_plain_greedy_tokens(family_model, mode):
+    from export.speculative import HybridDrafter, ModelDrafter
+
+    family, model = family_model
+    runner = EagerRunner(model, max_seq_len=80)
+    drafter = ModelDrafter(EagerRunner(_draft_of(model, 1), max_seq_len=80))
+    if mode == "hybrid":
+        drafter = HybridDrafter(drafter)
+    total = SpeculativeStats()
+    for prompt in _prompts():
+        plain = greedy_generate(runner, prompt, 60)
+        fast, stats = speculative_generate(runner, prompt, 60, drafter=drafter,
+                                           draft=_fixed(cost_per_token=0.05, draft_cost_prior=0.05))
+        assert fast == plain, (family, mode, prompt[:6])
+        for k in ("accepted", "drafted", "calls", "tokens", "draft_calls"):
+            setattr(total, k, getattr(total, k) + getattr(stats, k))
+    # the draft model drafted, some of its tokens held and some were cut back
+    assert total.draft_calls > 0 and 0 < total.accepted < total.drafted, (family, mode, total)
+
+
+def test_the_draft_follows_the_context_through_cut_backs():
+    """After every verification the draft's cache holds a prefix of the context: rejected drafts are cut,
+    and what the target emitted is fed with the next draft call."""
+    from export.speculative import ModelDrafter
+
+    torch.manual_seed(0)
+    from tests.conftest import TINY_CONFIGS
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(TINY_CONFIGS["llama"])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **{**cfg, "vocab_size": 512, "initializer_range": 0.2})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    drafter = ModelDrafter(EagerRunner(_draft_of(model, 1)))
+    ctx = _prompts()[0]
+    first = drafter.propose(ctx, 4)
+    assert len(first) == 4 and drafter.fed == ctx + first[:3] and drafter.runner.position == len(ctx) + 3
+    # the target kept two drafts and chose another token: the draft cuts its cache to the kept prefix
+    ctx2 = ctx + first[:2] + [(first[2] + 1) % 512]
+    second = drafter.propose(ctx2, 2)
+    assert drafter.fed == ctx2 + second[:1] and drafter.runner.position == len(ctx2) + 1
+    # the same as a draft that starts from nothing on that context
+    fresh = ModelDrafter(EagerRunner(_draft_of(model, 1)))
+    assert fresh.propose(ctx2, 2) == second
+    assert drafter.propose(ctx2, 0) == []
+
+
+def test_an_unsure_draft_stops_early_and_a_partial_vocabulary_maps_back():
+    from export.speculative import ModelDrafter
+
+    class Fixed(EagerRunner):
+        """A draft whose logits say: token 2 (index), sure for three calls, then unsure."""
+
+        def __init__(self):
+            super().__init__(torch.nn.Identity())
+            self.n = 0
+
+        def forward(self, ids, *, all_logits=True):
+            self._pos += int(torch.as_tensor(ids).numel())
+            self.n += 1
+            logits = torch.zeros(1, 4)
+            logits[0, 2] = 10.0 if self.n <= 3 else 0.5
+            return logits
+
+        def truncate(self, n):
+            self._pos = n
+            return True
+
+    d = ModelDrafter(Fixed(), stop_below=0.5, vocab_ids=[7, 8, 9, 11])
+    assert d.propose([1, 2, 3], 8) == [9, 9, 9]  # index 2 is token 9; the fourth call was unsure
+    with pytest.raises(ValueError):
+        ModelDrafter(Fixed(), stop_below=1.0)
+
+
+def test_a_draft_model_is_priced_by_its_calls():
+    dl = _fixed(max_k=6, prior_acceptance=0.7, cost_per_token=0.1)
+    cheap, dear = dl.choose("model", 6, per_token=0.05), dl.choose("model", 6, per_token=0.6)
+    assert cheap > dear >= 0 and dl.choose("model", 6, per_token=5.0) == 0
+    timed = DraftLength(prior_acceptance=0.7)
+    assert timed.draft_cost() == timed.draft_cost_prior
+    timed.timed(1, 0.010)
+    timed.timed_draft(0.002)
+    assert timed.draft_cost() == pytest.approx(0.2)

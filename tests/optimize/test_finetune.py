@@ -94,3 +94,36 @@ def test_finetune_runs_on_the_shared_loop_and_restores_the_model():
     assert frozen.requires_grad is False and all(p.grad is None for p in m.parameters())
     with pytest.raises(FinetuneError, match="holds 1 windows of seq_len=16, fewer than the 2"):
         finetune(m, FinetuneConfig(loss="lm", steps=1, seq_len=16, batch={"micro_batch_size": 2}, progress=False), TRAIN[:20])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_frozen_parameters_stay_as_they_are(tied):
+    """frozen: [embeddings] keeps the input embedding and the output projection (one tensor when tied) bit for
+    bit while the rest trains; a pattern keeps the parameters it names. What a draft model needs to share its
+    tables with the target in one program."""
+    teacher = tiny()
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():  # a student that differs from its teacher, so there is a gradient
+        for p in student.model.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    if tied:
+        student.lm_head.weight = student.model.embed_tokens.weight
+    emb, head = student.model.embed_tokens.weight.detach().clone(), student.lm_head.weight.detach().clone()
+    norm0 = student.model.layers[0].input_layernorm.weight.detach().clone()
+    q0 = student.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    cfg = FinetuneConfig(steps=3, optimizer={"lr": 1e-3}, seq_len=16, batch={"micro_batch_size": 2},
+                         frozen=["embeddings", "model.layers.0.input_layernorm.*"])
+    finetune(student, cfg, TRAIN, teacher=teacher, seed=0, log=lambda s: None)
+    assert torch.equal(student.model.embed_tokens.weight, emb) and torch.equal(student.lm_head.weight, head)
+    assert torch.equal(student.model.layers[0].input_layernorm.weight, norm0)
+    assert not torch.equal(student.model.layers[0].self_attn.q_proj.weight, q0)  # the rest trained
+    assert all(p.requires_grad for p in student.parameters())  # handed back as it came
+
+
+def test_a_frozen_pattern_that_matches_nothing_is_refused():
+    student = tiny()
+    cfg = FinetuneConfig(steps=1, seq_len=16, batch={"micro_batch_size": 2}, frozen=["model.layer.*"])
+    with pytest.raises(FinetuneError, match="matches no parameter.*'embeddings'"):
+        finetune(student, cfg, TRAIN, teacher=tiny(), log=lambda s: None)
+    with pytest.raises(FinetuneError, match="nothing would train"):
+        finetune(student, cfg.model_copy(update={"frozen": ["*"]}), TRAIN, teacher=tiny(), log=lambda s: None)

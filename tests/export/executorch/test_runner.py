@@ -40,9 +40,18 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def pte(tiny, tmp_path_factory):
+    """The program carries verify and a draft method (its first layer, as the draft block's depth prune
+    would leave it) beside forward: ExecuTorch's C++ runner must still run it plainly."""
+    import copy
+
+    from export.base import DraftSpec
+
+    draft = copy.deepcopy(tiny.model)
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
     out = tmp_path_factory.mktemp("et_runner")
     res = ExecuTorchExporter().export(tiny.model, tiny.tokenizer, out, {"max_seq_len": MAX_SEQ_LEN, "verify_tokens": 5},
-                                      log=lambda *a: None)
+                                      draft=DraftSpec(draft), log=lambda *a: None)
     return res.artifact
 
 
@@ -50,6 +59,7 @@ def pte(tiny, tmp_path_factory):
 def test_llm_runner_greedy_equals_python_loop_and_reports_stats(pte, tiny):
     runner = ExecuTorchRunner(pte)
     assert runner.describe()["llm_runner"] == {"usable": True}
+    assert {"forward", "verify", "draft"} <= set(runner.describe()["methods"])
     ids = tiny.tokenizer(PROMPT)["input_ids"]
     rep = runner.llm_runner_report(ids, tiny.tokenizer, greedy_tokens=20, decode_tokens=8, runs=2, warmup=1)
     assert rep["used"], rep
@@ -104,8 +114,11 @@ def test_optimize_run_speculative_gives_the_plain_answer(pte, capsys):
     assert "[speculative ngram]" in err and "tokens in" in err and "TextLLMRunner" not in err
     assert main(["run", str(pte), "--prompt", "hi", "--speculative", "ngram", "--runner", "llm"]) == 2
     assert "drop --runner llm" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="speculative must be off or ngram, got 'draft'"):
-        generate_from_artifact(pte, "hi", speculative="draft", stream=None)
+    # the program's draft model drafts where lookup finds nothing: the same answer again
+    assert generate_from_artifact(pte, prompt, max_new_tokens=20, speculative="draft", stream=None) == plain
+    assert "[speculative draft]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="speculative must be one of off, ngram, draft, got 'model'"):
+        generate_from_artifact(pte, "hi", speculative="model", stream=None)
 
 
 @pytest.mark.slow
@@ -136,6 +149,8 @@ def test_pipeline_verification_reports_the_llm_runner(pte, tiny):
     said_twice = 2 * min(32, state.prompt.numel())
     assert spec["tokens"] == min(64, MAX_SEQ_LEN - said_twice) and spec["calls"] <= spec["tokens"]
     assert any("speculative decoding (prompt lookup through verify)" in s for s in said), said
+    # and the program's draft model through it, on the prompt as it is
+    assert spec["draft"]["match"] and spec["draft"]["draft_calls"] > 0, spec["draft"]
 
 
 @pytest.mark.slow

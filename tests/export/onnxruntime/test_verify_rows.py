@@ -145,3 +145,40 @@ def test_verify_tokens_is_refused_where_it_cannot_work():
         OnnxRuntimeOptions(verify_tokens=1)
     problems = _fused_option_problems(OnnxRuntimeOptions(verify_tokens=4, last_logits=False))
     assert any("all_logits" in p for p in problems)
+
+
+@pytest.mark.slow
+@pytest.mark.minutes(2.0)
+def test_smollm2_int4_keeps_plain_greedy_tokens(smollm2_loaded, smollm2_tokenizer, pydoc_splits, tmp_path):
+    """SmolLM2's real weights, all 30 layers, int4 g32 (round to nearest) with a 256-position cache: a
+    verification call's rows are one-token calls' logits bit for bit, and prompt lookup through them gives
+    plain greedy's tokens on 12 prompts through onnxruntime-genai, several running until the cache is full."""
+    import copy
+
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+
+    model = copy.deepcopy(smollm2_loaded.model)
+    quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
+              lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
+    res = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "smol", {"max_seq_len": 256,
+                                                                                    "verify_tokens": 5}, log=_quiet)
+    plain = OnnxRuntimeExporter().load(res.artifact.parent)  # onnxruntime-genai, as apps run it
+    fast = plain.speculative_runner()
+    text = pydoc_splits.eval_ids.tolist()
+    plain.reset()
+    plain.forward(torch.tensor(text[:60]), all_logits=False)
+    one = torch.cat([plain.forward(torch.tensor(text[60 + i: 61 + i]), all_logits=True) for i in range(5)])
+    fast.reset()
+    fast.forward(torch.tensor(text[:60]), all_logits=False)
+    assert torch.equal(fast.forward(torch.tensor(text[60:65]), all_logits=True), one)
+
+    prompts = [text[i * 97: i * 97 + 40] * 2 for i in range(4)] + [text[i * 131: i * 131 + 24] for i in range(4)]
+    prompts += [text[900:1010], text[1200:1300] + text[1200:1220], text[2000:2224], text[3000:3250]]
+    drafted = accepted = 0
+    for prompt in prompts:
+        want = greedy_generate(plain, prompt, 256)
+        got, stats = speculative_generate(fast, prompt, 256, draft=DraftLength(measure=False))
+        assert got == want, (len(prompt), next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
+        assert len(want) == 256 - len(prompt) + 1  # no EOS given: ran until the cache was full
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert accepted > 50 and accepted < drafted

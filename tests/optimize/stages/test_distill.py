@@ -348,3 +348,51 @@ def test_distillation_trains_where_the_pipeline_placed_the_model(tmp_path, devic
     out = run(student, cfg, ctx)
     assert out is student and all(p.device.type == device for p in student.parameters())
     assert kl_here() < 0.8 * before
+
+
+def test_the_teacher_answers_its_prompts_and_the_student_trains_on_them(tmp_path, smollm2_tokenizer):
+    """data: teacher_answers: prompts made from the training text, in the chat template, each followed by the
+    teacher's own greedy answer (what plain greedy decoding gives), cached for a resumed run; the student then
+    trains on them and agrees with the teacher's answers more often."""
+    from export.runtime import EagerRunner, greedy_generate
+    from optimize.teacher_answers import TeacherAnswers, teacher_answers
+
+    teacher = tiny(vocab=49152)
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(20)
+    text = torch.tensor(smollm2_tokenizer("def quote(s):\n    return repr(s)\n\nThe quick brown fox. " * 40)["input_ids"])
+    cfg = TeacherAnswers(prompts=4, prompt_tokens=24, new_tokens=12, batch_size=3)
+    said = []
+    stream = teacher_answers(teacher, smollm2_tokenizer, text, cfg, seed=0, work_dir=tmp_path, log=said.append)
+    assert "4 prompts answered" in said[-1]
+    first = smollm2_tokenizer.decode(stream[:40].tolist())
+    assert first.startswith("<|im_start|>") and "Explain this:" in first  # the chat template around an instruction
+    # the first piece is its prompt then exactly what plain greedy decoding answers
+    start = "<|im_start|>assistant\n"
+    head = stream.tolist()
+    prompt_end = next(i for i in range(len(head)) if smollm2_tokenizer.decode(head[:i]).endswith(start))
+    answer = greedy_generate(EagerRunner(teacher), head[:prompt_end], 12, eos_token_ids=[smollm2_tokenizer.eos_token_id])
+    assert head[prompt_end:prompt_end + len(answer)] == answer
+    again = teacher_answers(teacher, smollm2_tokenizer, text, cfg, seed=0, work_dir=tmp_path, log=said.append)
+    assert torch.equal(again, stream) and said[-1].startswith("teacher answers: reusing")
+
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if name.endswith("proj.weight"):
+                p.add_(torch.randn_like(p) * p.std() * 0.5)
+
+    def agreement(m) -> float:
+        ids = stream[None, :256]
+        with torch.no_grad():
+            return float((m(ids).logits.argmax(-1) == teacher(ids).logits.argmax(-1)).float().mean())
+
+    before = agreement(student)
+    ctx = StageContext(tokenizer=smollm2_tokenizer, calibration=[], train_ids=text, target=None, work_dir=tmp_path,
+                       seed=0, baseline_model=teacher, log=lambda s: None)
+    run(student, DistillConfig(steps=15, seq_len=32, optimizer={"lr": 1e-3}, data="teacher_answers",
+                               answers=cfg.model_dump()), ctx)
+    assert ctx.details["data"] == "teacher_answers" and ctx.details["answer_tokens"] == stream.numel()
+    assert agreement(student) > before
+    with pytest.raises(ValidationError, match="applies with data: teacher_answers or both"):
+        DistillConfig(answers={"prompts": 3})
