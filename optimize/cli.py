@@ -148,8 +148,10 @@ def cmd_validate(args) -> int:
     cfg = load_config(args.config, args.overrides, target=args.target, device_profile=args.device_profile)
     stages = ", ".join(s.label(i) for i, s in enumerate(cfg.stages)) or "none"
     device = f"; device: {cfg.device_profile}" if cfg.device_profile else ""
-    print(f"{args.config}: valid (version {cfg.version}; model {cfg.model.source}; stages: {stages}; target: {cfg.target}"
-          f"{device})")
+    draft = (f"; draft: {', '.join(s.label(i) for i, s in enumerate(cfg.draft.stages))}" if cfg.draft is not None
+             else "")
+    print(f"{args.config}: valid (version {cfg.version}; model {cfg.model.source}; stages: {stages}{draft}; "
+          f"target: {cfg.target}{device})")
     return 0
 
 

@@ -95,3 +95,27 @@ def run_decoder(ep, ids) -> list:
     with torch.no_grad():
         out = [mod(ids[:, :t], torch.arange(t)), mod(ids[:, t:], torch.arange(t, t + 1))]
     return out + [b.clone() for name, b in mod.named_buffers() if "cache" in name]
+
+
+def real_text_prompts(text: list[int], cache: int) -> list[list[int]]:
+    """Twelve prompts from the reference text for a real model's speculative tests: passages said twice
+    (lookup finds drafts), plain text, and prompts that leave a few positions to the cache's end."""
+    prompts = [text[i * 97: i * 97 + 40] * 2 for i in range(4)] + [text[i * 131: i * 131 + 24] for i in range(4)]
+    return prompts + [text[900:1010], text[1200:1300] + text[1200:1220], text[2000:2000 + cache - 4],
+                      text[3000:3000 + cache - 1]]
+
+
+def assert_keeps_plain_greedy(plain, fast, prompts: list[list[int]], cache: int) -> tuple[int, int]:
+    """Speculative decoding through ``fast`` gives ``plain``'s greedy tokens on every prompt, each run until
+    the cache is full (no EOS); returns (drafted, accepted) over all of them."""
+    from export.runtime import greedy_generate
+    from export.speculative import DraftLength, speculative_generate
+
+    drafted = accepted = 0
+    for prompt in prompts:
+        want = greedy_generate(plain, prompt, cache)
+        got, stats = speculative_generate(fast, prompt, cache, draft=DraftLength(measure=False))
+        assert got == want, (len(prompt), next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
+        assert len(want) == cache - len(prompt) + 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    return drafted, accepted

@@ -11,6 +11,7 @@ import torch
 from export.executorch.runner import VERIFY_METHOD, ExecuTorchRunner
 from export.runtime import RunnerError, greedy_generate
 from export.speculative import DraftLength, speculative_generate
+from tests.export.conftest import assert_keeps_plain_greedy, real_text_prompts
 
 MAX_SEQ_LEN = 96
 
@@ -213,13 +214,5 @@ def test_smollm2_8da4w_keeps_plain_greedy_tokens_where_chunked_calls_do_not(smol
         assert torch.equal(fast.forward(torch.tensor(text[60:60 + t])), one[:t]), t
 
     # passages that repeat (lookup finds drafts), plain text, and prompts near the cache's end
-    prompts = [text[i * 97: i * 97 + 40] * 2 for i in range(4)] + [text[i * 131: i * 131 + 24] for i in range(4)]
-    prompts += [text[900:1010], text[1200:1300] + text[1200:1220], text[2000:2124], text[3000:3127]]
-    drafted = accepted = 0
-    for prompt in prompts:
-        want = greedy_generate(plain, prompt, 128)
-        got, stats = speculative_generate(fast, prompt, 128, draft=DraftLength(measure=False))
-        assert got == want, (len(prompt), next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
-        assert len(want) == 128 - len(prompt) + 1  # no EOS given: ran until the cache was full
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    drafted, accepted = assert_keeps_plain_greedy(plain, fast, real_text_prompts(text, 128), 128)
     assert accepted > 50 and accepted < drafted

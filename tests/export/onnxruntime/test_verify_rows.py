@@ -14,6 +14,7 @@ from export.onnxruntime.exporter import OnnxRuntimeExporter
 from export.onnxruntime.verify_rows import VERIFY
 from export.runtime import RunnerError, greedy_generate
 from export.speculative import DraftLength, speculative_generate
+from tests.export.conftest import assert_keeps_plain_greedy, real_text_prompts
 
 W8A8 = {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True}
 FAMILIES = {"llama": dict(tie_word_embeddings=True), "qwen2": dict(tie_word_embeddings=False),
@@ -172,13 +173,21 @@ def test_smollm2_int4_keeps_plain_greedy_tokens(smollm2_loaded, smollm2_tokenize
     fast.forward(torch.tensor(text[:60]), all_logits=False)
     assert torch.equal(fast.forward(torch.tensor(text[60:65]), all_logits=True), one)
 
-    prompts = [text[i * 97: i * 97 + 40] * 2 for i in range(4)] + [text[i * 131: i * 131 + 24] for i in range(4)]
-    prompts += [text[900:1010], text[1200:1300] + text[1200:1220], text[2000:2224], text[3000:3250]]
-    drafted = accepted = 0
-    for prompt in prompts:
-        want = greedy_generate(plain, prompt, 256)
-        got, stats = speculative_generate(fast, prompt, 256, draft=DraftLength(measure=False))
-        assert got == want, (len(prompt), next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
-        assert len(want) == 256 - len(prompt) + 1  # no EOS given: ran until the cache was full
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    drafted, accepted = assert_keeps_plain_greedy(plain, fast, real_text_prompts(text, 256), 256)
     assert accepted > 50 and accepted < drafted
+
+
+def test_optimize_run_decodes_an_onnx_export_speculatively(exports):
+    """optimize run DIR --speculative ngram: onnxruntime-genai through the verification input, the plain
+    answer; --speculative draft is refused with the reason (ONNX exports carry no draft model)."""
+    from optimize.generate import generate_from_artifact
+
+    folder = exports["llama", "w8a8"].artifact.parent
+    prompt = "in on at in on at in on at in"  # ids below the tiny model's 512-token vocabulary
+    plain = generate_from_artifact(folder, prompt, max_new_tokens=24, stream=None, say=None)
+    lines = []
+    assert generate_from_artifact(folder, prompt, max_new_tokens=24, stream=None, say=lines.append,
+                                  speculative="ngram") == plain
+    assert lines and lines[0].startswith("[speculative ngram]")
+    with pytest.raises(RunnerError, match="carry no draft model"):
+        generate_from_artifact(folder, prompt, max_new_tokens=4, stream=None, speculative="draft")
