@@ -83,8 +83,9 @@ def run_stages(state: RunState, report: Report, model: torch.nn.Module, *, confi
             report.rows.append(row)
         report.last_good_artifact = str(dirs[done - 1])
         state.quantized = any(s.quant_scheme() for s in stages[:done])
-        say(f"resuming: {seq.desc} {seq.names[0]}..{seq.names[done - 1]} finished in an earlier run "
-            f"({dirs[done - 1].name}); starting at {seq.names[done]}" if done < len(dirs) else
+        one = seq.desc.removesuffix("s")  # "stage", "draft stage"
+        say(f"resuming: {one if done == 1 else seq.desc} 0..{done - 1} finished in an earlier run "
+            f"({dirs[done - 1].name}); starting at {one} {done} ({seq.names[done]})" if done < len(dirs) else
             f"resuming: all {done} {seq.desc} finished in an earlier run")
 
     hub = current_hub()

@@ -149,7 +149,7 @@ def test_compute_dtype_places_the_model_and_the_export_gets_it_back_on_cpu_in_fp
 
     seen = {}
 
-    def fake_export(state, model, report):
+    def fake_export(state, model, report, draft=None):
         p = next(model.parameters())
         seen.update(device=p.device.type, dtype=p.dtype, all_fp32=all(q.dtype == torch.float32 for q in model.parameters()))
 

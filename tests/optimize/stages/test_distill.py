@@ -289,7 +289,7 @@ def test_bad_values_are_clear(tmp_path):
         DistillConfig(steps=0)
     with pytest.raises(ValidationError, match="optimizer.lr\n  Input should be greater than 0"):
         DistillConfig(optimizer={"lr": 0})
-    with pytest.raises(ValidationError, match="unknown key .learning_rate.; allowed keys: alpha, batch"):
+    with pytest.raises(ValidationError, match="unknown key .learning_rate.; allowed keys: alpha, answers, batch"):
         DistillConfig(learning_rate=1e-4)
     with pytest.raises(ValidationError, match="hidden_layers and layer_map apply only with hidden_weight > 0"):
         DistillConfig(hidden_layers=[0])
