@@ -194,14 +194,13 @@ def decoders_onnx(args, lm) -> tuple[dict, str]:
     builder's int4 decoding plainly (the peer)."""
     from bench.onnxruntime import build_peer
     from export.onnxruntime.genai_runner import GenaiRunner
-    from targets.sources import bundled_gguf_path, convert_gguf
 
     folder = args.onnx_dir or example_artifact(ORT_EXAMPLE, "onnxruntime", [f"export.onnxruntime.verify_tokens={VERIFY_TOKENS}"],
                                                args.cache_dir / "smollm2-onnx-int4-verify").parent
     peer_dir = args.cache_dir / "builder-int4"
     if not (peer_dir / "genai_config.json").is_file():
         log("peer: onnxruntime-genai's model builder, int4")
-        build_peer("int4", convert_gguf(bundled_gguf_path("smollm2-135m")), peer_dir)
+        build_peer("int4", Path(lm.local_dir), peer_dir)  # as bench/onnxruntime.py builds it
     plain = GenaiRunner(folder, intra_op_threads=THREADS)
     decoders = {"plain": (plain, decode_plain), "ngram": (plain.speculative_runner(), decode_speculative),
                 "peer": (GenaiRunner(peer_dir, intra_op_threads=THREADS), decode_plain)}

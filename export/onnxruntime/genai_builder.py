@@ -92,6 +92,10 @@ def builder_problems(config: Any) -> list[str]:
 def fix_config(config: Any) -> None:
     """Rewrite a loaded transformers config into the forms the builder reads (see module doc)."""
     mtype = getattr(config, "model_type", None)
+    if not getattr(config, "architectures", None) and mtype in FUSED_ARCHITECTURES:
+        # a config without ``architectures`` (a GGUF conversion, a config built in code) is the causal LM
+        # that builder_problems already assumed; the builder indexes the list unguarded
+        config.architectures = [FUSED_ARCHITECTURES[mtype]]
     rp = getattr(config, "rope_parameters", None)
     if isinstance(rp, dict) and "full_attention" in rp and isinstance(rp["full_attention"], dict):
         full, local = dict(rp["full_attention"]), dict(rp.get("sliding_attention") or rp["full_attention"])

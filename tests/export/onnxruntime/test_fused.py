@@ -525,6 +525,23 @@ def test_builder_failure_is_a_clear_error(tmp_path):
         build(tmp_path / "hf", tmp_path / "out")
 
 
+def test_a_config_without_architectures_is_built_as_its_causal_lm():
+    """A GGUF conversion's config.json has no ``architectures``; the builder indexes it unguarded
+    (``TypeError: 'NoneType' object is not subscriptable``), so fix_config names the causal LM that
+    builder_problems already assumed, and leaves a config that names one alone."""
+    from transformers import LlamaConfig
+
+    from export.onnxruntime.genai_builder import builder_problems, fix_config
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
+    assert not cfg.architectures and builder_problems(cfg) == []
+    fix_config(cfg)
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    named = LlamaConfig(architectures=["LlamaModel"])
+    fix_config(named)
+    assert named.architectures == ["LlamaModel"] and builder_problems(named)
+
+
 def test_quantize_export_refuses_the_fused_graph(tmp_path):
     from targets.sources import RandomSource, load_model
 
