@@ -110,6 +110,11 @@ class Runner(abc.ABC):
         """Tokens held in the cache now."""
         return getattr(self, "_pos", 0)
 
+    def reserve(self, positions: int) -> None:
+        """A hint before a generation: it will hold at most ``positions`` tokens (prompt, output and a
+        last draft). A runtime whose cache is a buffer allocated per generation sizes it to that instead
+        of ``max_seq_len`` (onnxruntime-genai); the others need nothing. Call it before ``reset``."""
+
     def truncate(self, n: int) -> bool:
         """Keep the first ``n`` cached positions and continue from position ``n``.
 

@@ -164,16 +164,18 @@ class ModelDrafter:
             if k <= 0:
                 return []
         out: list[int] = []
+        t0 = time.perf_counter()
         feed = self._sync(context)
         while len(out) < k:
-            t0 = time.perf_counter()
             token, p = self._step(feed)
-            if policy is not None and len(feed) == 1:
-                policy.timed_draft(time.perf_counter() - t0)
             if out and p < self.stop_below:
                 break
             out.append(token)
             feed = [token]
+        if policy is not None:
+            # what a drafted token cost, the catch-up included: after rounds that lookup served (or plain
+            # steps), the first call feeds every token the draft missed, and that is paid for the draft
+            policy.timed_draft((time.perf_counter() - t0) / len(out))
         return out
 
     def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
@@ -285,7 +287,7 @@ class DraftLength:
         self.acceptance[source] = min(max(a, 1e-3), 1.0 - 1e-3)
 
     def timed_draft(self, seconds: float) -> None:
-        """One draft model call of one token took ``seconds``."""
+        """A drafted token took ``seconds`` (its share of the proposal's draft calls, catch-up included)."""
         if self.measure and seconds > 0:
             old = self.draft_seconds
             self.draft_seconds = seconds if old is None else old + 0.2 * (seconds - old)
@@ -372,6 +374,8 @@ def speculative_generate(
 
     if max_new_tokens <= 0:
         return out, stats
+    need = len(ids) + max_new_tokens + (widest or 0)
+    runner.reserve(min(need, limit) if limit is not None else need)
     runner.reset()
     logits = runner.forward(torch.tensor(ids, dtype=torch.long), all_logits=False)
     nxt = int(torch.argmax(logits[-1]).item())
@@ -385,7 +389,9 @@ def speculative_generate(
         proposal, source = drafter.draft(context, room, draft) if room > 0 else ([], None)
         feed = torch.tensor([nxt, *proposal], dtype=torch.long)
         t0 = time.perf_counter()
-        logits = runner.forward(feed, all_logits=True)
+        # a step without a draft is plain greedy's own call (the last position's logits: onnxruntime-genai's
+        # every-position head cost a one-token step 14% more); a verification call needs every position
+        logits = runner.forward(feed, all_logits=bool(proposal))
         if logits.shape[0] != feed.numel():
             raise RunnerError(f"{runner.runtime} returned {logits.shape[0]} positions' logits for {feed.numel()} "
                               "tokens; speculative decoding needs every position's (an ExecuTorch program "

@@ -132,8 +132,22 @@ class GenaiRunner(Runner):
         #: chunk's logits, so a longer input is appended a chunk at a time here (every position kept)
         self.prefill_chunk = int(self.config["search"].get("chunk_size") or 0) or None
         self._gen = None
+        #: the buffer length a generation asked for (reserve); None: max_seq_len
+        self._reserved: int | None = None
         _warn_on_saturating_int8(self.path)
         self.reset()
+
+    #: reserve() rounds up to a multiple of this, so similar generations share a buffer size
+    RESERVE_STEP = 256
+
+    def reserve(self, positions: int) -> None:
+        """Size the next generator's KV buffers (``max_length``) to ``positions``, rounded up, instead of
+        ``max_seq_len``: onnxruntime-genai shares one max-length buffer between past and present, and a
+        verification call's one-row attentions copy the whole buffer each (export/onnxruntime/verify_rows.py),
+        so at SmolLM2's 8192 a 5-token call cost 17 one-token steps, at 512 3.4. An app sets ``max_length``
+        per generation the same way. The hint is used by the next generator only."""
+        step = self.RESERVE_STEP
+        self._reserved = min(self.max_seq_len, max(step, -(-int(positions) // step) * step))
 
     def reset(self) -> None:
         self._gen = None
@@ -142,7 +156,9 @@ class GenaiRunner(Runner):
     def _generator(self):
         if self._gen is None:
             params = self._og.GeneratorParams(self.model)
-            params.set_search_options(max_length=self.max_seq_len, do_sample=False)
+            # the hint serves the generation it was given for: the next one after a reset without one gets max_seq_len
+            params.set_search_options(max_length=self._reserved or self.max_seq_len, do_sample=False)
+            self._reserved = None
             self._gen = self._og.Generator(self.model, params)
             if self.last_logits:
                 self._gen.set_model_input(ASK, self._ask)

@@ -101,6 +101,30 @@ def test_speculative_decoding_keeps_plain_greedy_tokens(exports, key):
         assert accepted > 0 and drafted > 0, (name, key)
 
 
+def test_genai_sizes_its_buffer_to_the_generation(exports):
+    """onnxruntime-genai's past and present share one max_length buffer, which every one-row attention of a
+    verification call copies: speculative_generate reserves what the generation needs (prompt + new
+    tokens + a draft), the next generator is sized to it (rounded up), and one without the hint gets
+    max_seq_len again. The tokens are plain greedy's either way."""
+    runner = OnnxRuntimeExporter().load(exports["llama", "int4"].artifact.parent)
+    fast = runner.speculative_runner()
+    fast.RESERVE_STEP = 16
+    sizes, make = [], fast._generator
+
+    def spy():
+        if fast._gen is None:
+            sizes.append(fast._reserved or fast.max_seq_len)
+        return make()
+
+    fast._generator = spy
+    prompt = _prompts()[0]  # 30 tokens
+    got, stats = speculative_generate(fast, prompt, 40, draft=DraftLength(measure=False, cost_per_token=0.05))
+    assert got == greedy_generate(runner, prompt, 40) and stats.accepted > 0
+    assert sizes == [80]  # 30 + 40 + 5 = 75, rounded up to 16s
+    assert greedy_generate(fast, prompt, 200) == greedy_generate(runner, prompt, 200)  # to the full 160
+    assert sizes == [80, 160]
+
+
 def test_without_the_input_several_rows_attend_as_a_block(exports):
     """Why the input exists: the graph's own several-token call differs from one-token calls (GroupQueryAttention
     sums a block of query rows in another order), so plain several-token calls cannot verify drafts."""
