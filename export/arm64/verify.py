@@ -192,7 +192,8 @@ def summary(report: dict) -> str:
     p = report["perplexity"]
     if p["host"] is not None:
         se = f" ± {p['se_pct']:.2f}% standard error over {p['windows']} windows" if p.get("se_pct") is not None else ""
-        lines.append(f"  perplexity {p['guest']:.4f} vs {p['host']:.4f} on x86-64 ({p['rel_diff_pct']:.3f}%{se}, "
+        signed = (p["guest"] - p["host"]) / p["host"] * 100 if p["host"] else 0.0  # the gate reads its size
+        lines.append(f"  perplexity {p['guest']:.4f} vs {p['host']:.4f} on x86-64 ({signed:+.3f}%{se}, "
                      f"tolerance {p['tolerance_pct']}%)")
     lines.append(f"  logits: largest difference {report['logits']['max_abs_diff_pct_of_scale']}% of their scale")
     lines.append(f"  {'verified' if report['verified'] else 'NOT verified'} on {report['where']}")

@@ -51,6 +51,20 @@ def test_the_perplexity_comparison_states_its_standard_error():
     assert _paired_se_pct(host[:1], guest[:1], 128) is None and _paired_se_pct(None, guest, 128) is None
 
 
+def test_the_summary_says_which_build_is_worse():
+    """The gate reads the difference's size; the line a user reads keeps its sign (the ARM64 build
+    better is not the same finding as worse)."""
+    from export.arm64.verify import summary
+
+    report = {"artifact": "/x/model.pte", "runtime": "executorch", "where": "aarch64 (emulated, max)", "core": "max",
+              "greedy": [], "host": {"greedy": []}, "verified": True, "logits": {"max_abs_diff_pct_of_scale": 7.9},
+              "perplexity": {"host": 25.5798, "guest": 25.5464, "rel_diff_pct": 0.1306, "se_pct": 0.28, "windows": 24,
+                             "tolerance_pct": 1.0}}
+    assert "(-0.131% ± 0.28% standard error over 24 windows" in summary(report)
+    report["perplexity"]["guest"] = 25.6801
+    assert "(+0.392% ±" in summary(report)
+
+
 def test_the_checks_windows_are_cut_in_order_from_the_evaluation_windows():
     import torch
 
