@@ -389,8 +389,8 @@ def speculative_generate(
         proposal, source = drafter.draft(context, room, draft) if room > 0 else ([], None)
         feed = torch.tensor([nxt, *proposal], dtype=torch.long)
         t0 = time.perf_counter()
-        # a step without a draft is plain greedy's own call (the last position's logits: onnxruntime-genai's
-        # every-position head cost a one-token step 14% more); a verification call needs every position
+        # a step without a draft is plain greedy's own call (the last position's logits), so it costs what a
+        # plain step costs and runs the same graph path; only a verification call asks for every position
         logits = runner.forward(feed, all_logits=bool(proposal))
         if logits.shape[0] != feed.numel():
             raise RunnerError(f"{runner.runtime} returned {logits.shape[0]} positions' logits for {feed.numel()} "
