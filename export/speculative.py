@@ -24,19 +24,24 @@ the draft model elsewhere).
 The draft length adapts (:class:`DraftLength`): each proposal is cut to the length that earns the
 most tokens per second, from the acceptance its source has had and the measured time of the
 runner's calls by length; where no length pays, steps are plain (one token through the ordinary
-forward), with a short probe now and then, so a prompt where drafts fail costs plain decoding's
-steps plus a dictionary lookup per token.
+forward), so a prompt where drafts fail costs plain decoding's steps plus a dictionary lookup per
+token. A lookup proposal the policy declines is still checked against the tokens the target emits
+(free), so the policy notices when copying resumes; a draft model's source, whose proposals cost
+calls, gets a short paid probe now and then instead.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Protocol
 
+import numpy as np
 import torch
 
-from export.runtime import Runner, RunnerError, checked_prompt
+from export.runtime import Runner, RunnerError, argmax_ids, checked_prompt
 
 
 class Drafter(Protocol):
@@ -47,6 +52,11 @@ class Drafter(Protocol):
 
     def extend(self, tokens: list[int]) -> None:
         """``tokens`` were appended to the context (the drafter's index follows them)."""
+
+    #: the last draft() call's proposal that ``policy`` turned down, with its source (None: none). It
+    #: cost nothing to make (prompt lookup), so the loop checks it against what the target emits and
+    #: the policy learns that source's acceptance without paying for a verification
+    declined: tuple[list[int], object] | None
 
 
 class NgramDrafter:
@@ -62,6 +72,8 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         #: the n-gram length the last proposal matched (0: none), the source DraftLength estimates by
         self.last_source = 0
+        #: the last proposal the policy declined, and its source (the Drafter protocol's)
+        self.declined: tuple[list[int], object] | None = None
         self._ids: list[int] = []
         #: n-gram -> position just after its latest occurrence that is not the context's end
         self._latest: dict[tuple[int, ...], int] = {}
@@ -94,11 +106,18 @@ class NgramDrafter:
         return []
 
     def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
-        """Prompt lookup's proposal, cut to the length ``policy`` finds worth a verification call."""
+        """Prompt lookup's proposal, cut to the length ``policy`` finds worth a verification call. A
+        proposal it declines is kept in :attr:`declined`: checking it against the target's next
+        tokens is free, so the policy needs no paid probes to notice that a source came back."""
         proposal = self.propose(context, min(policy.max_k, room)) if room > 0 else []
         source = self.last_source
-        return proposal[: policy.choose(source, len(proposal))], source
+        k = policy.choose(source, len(proposal), probe=False)
+        self.declined = (proposal, source) if proposal and not k else None
+        return proposal[:k], source
 
+
+#: calls of each length whose median prices the next (DraftLength.timed)
+TIMED_CALLS = 15
 
 #: DraftLength's key for a draft model's proposals (prompt lookup's are its n-gram lengths)
 MODEL_SOURCE = "model"
@@ -124,6 +143,8 @@ class ModelDrafter:
         self.fed: list[int] = []
         #: draft calls and tokens they fed, for the stats
         self.calls = 0
+        #: a declined model draft was never made (it costs calls): nothing to check for free
+        self.declined = None
 
     def extend(self, tokens: Iterable[int]) -> None:  # the context is read at each draft() instead
         return None
@@ -147,11 +168,14 @@ class ModelDrafter:
 
     def _step(self, ids: list[int]) -> tuple[int, float]:
         """Feed ``ids``; the draft's greedy next token and its probability."""
-        logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), all_logits=False)[-1].float()
+        logits = self.runner.forward(torch.tensor(ids, dtype=torch.long), all_logits=False)[-1]
         self.fed.extend(ids)
         self.calls += 1
-        best = int(torch.argmax(logits))
-        p = float(torch.softmax(logits, dim=-1)[best]) if self.stop_below > 0 else 1.0
+        best = argmax_ids(logits)[0]
+        p = 1.0
+        if self.stop_below > 0:  # softmax's top probability, in numpy for argmax_ids' reason
+            row = logits.detach().to("cpu", torch.float32).numpy()
+            p = float(1.0 / np.exp(row - row[best]).sum())
         return (int(self.vocab_ids[best]) if self.vocab_ids is not None else best), p
 
     def propose(self, context: list[int], k: int, policy: "DraftLength | None" = None) -> list[int]:
@@ -194,6 +218,10 @@ class HybridDrafter:
     def extend(self, tokens: Iterable[int]) -> None:
         self.lookup.extend(tokens)
 
+    @property
+    def declined(self) -> tuple[list[int], object] | None:
+        return self.lookup.declined
+
     def draft(self, context: list[int], room: int, policy: "DraftLength") -> tuple[list[int], object]:
         proposal, source = self.lookup.draft(context, room, policy)
         if proposal:
@@ -213,9 +241,10 @@ class DraftLength:
     source of drafts (prompt lookup's n-gram length: a 3-gram match holds more often than a 1-gram)
     as an exponential average of what verification kept; ``C`` from the timed calls themselves
     (``measure``; else ``1 + cost_per_token * k``, for deterministic tests). When no length pays,
-    a one-token draft every ``probe_every`` proposals keeps the estimate fresh: drafts that keep
-    failing cost one short call in ``probe_every`` steps, so decoding stays within a few percent of
-    plain (the bench's 0.95x floor)."""
+    prompt lookup's declined proposals are checked against what the target emits (:meth:`observe`,
+    free), and a draft model's source gets a one-token draft every ``probe_every`` proposals: drafts
+    that keep failing cost one short call in ``probe_every`` steps, so decoding stays within a few
+    percent of plain (the bench's 0.95x floor)."""
 
     max_k: int = 8
     prior_acceptance: float = 0.5
@@ -241,10 +270,12 @@ class DraftLength:
             raise ValueError(f"need 0 < rate <= 1, probe_every >= 1 and min_gain > 0, got {self.rate}, "
                              f"{self.probe_every}, {self.min_gain}")
         self.acceptance: dict = {}
-        #: fed tokens -> exponential average of one call's seconds
+        #: fed tokens -> one call's seconds: the median of its last TIMED_CALLS calls (one call's time jitters
+        #: by tens of percent, and a mean led by one slow call once priced 4-token verifications at 4 steps)
         self.seconds: dict[int, float] = {}
-        #: exponential average of a draft model's one-token call, in seconds
+        #: a draft model's drafted token, in seconds (the same median)
         self.draft_seconds: float | None = None
+        self._timed: dict[object, deque] = {}
         self._idle = 0
 
     def cost(self, fed: int) -> float:
@@ -254,10 +285,12 @@ class DraftLength:
             return self.seconds[fed] / one
         return 1.0 + self.cost_per_token * (fed - 1)
 
-    def choose(self, source, available: int, per_token: float = 0.0) -> int:
+    def choose(self, source, available: int, per_token: float = 0.0, probe: bool = True) -> int:
         """How many of ``available`` proposed tokens (from ``source``) to verify; 0: a plain step.
         ``per_token`` is what drafting one token costs, in one-token steps of the target (a draft
-        model's call; 0 for prompt lookup): it is paid for every token drafted, kept or not."""
+        model's call; 0 for prompt lookup): it is paid for every token drafted, kept or not.
+        ``probe=False``: never a paid probe (a source whose declined proposals are checked for free,
+        :meth:`observe`)."""
         if available <= 0:
             return 0
         a = self.acceptance.get(source, self.prior_acceptance)
@@ -270,6 +303,8 @@ class DraftLength:
         if best_k:
             self._idle = 0
             return best_k
+        if not probe:
+            return 0
         self._idle += 1
         if self._idle >= self.probe_every:
             self._idle = 0
@@ -286,11 +321,25 @@ class DraftLength:
             a += self.rate * (held - a)
         self.acceptance[source] = min(max(a, 1e-3), 1.0 - 1e-3)
 
+    def observe(self, source, proposal: list[int], emitted: list[int]) -> None:
+        """A proposal from ``source`` that was not verified, against the tokens the target emitted
+        after the same context: its common prefix with them held, and the first difference is a
+        rejection (a proposal longer than what was emitted says nothing past it)."""
+        held = 0
+        while held < len(proposal) and held < len(emitted) and proposal[held] == emitted[held]:
+            held += 1
+        seen = held + 1 if held < min(len(proposal), len(emitted)) else held
+        self.update(source, seen, held)
+
+    def _median(self, key, seconds: float) -> float:
+        window = self._timed.setdefault(key, deque(maxlen=TIMED_CALLS))
+        window.append(seconds)
+        return statistics.median(window)
+
     def timed_draft(self, seconds: float) -> None:
         """A drafted token took ``seconds`` (its share of the proposal's draft calls, catch-up included)."""
         if self.measure and seconds > 0:
-            old = self.draft_seconds
-            self.draft_seconds = seconds if old is None else old + 0.2 * (seconds - old)
+            self.draft_seconds = self._median("draft", seconds)
 
     def draft_cost(self) -> float:
         """A draft model's token in one-token steps of the target: measured where both are, else
@@ -301,11 +350,9 @@ class DraftLength:
         return self.draft_cost_prior
 
     def timed(self, fed: int, seconds: float) -> None:
-        """One call of ``fed`` tokens took ``seconds`` (the first of each length sets its average)."""
-        if not self.measure or seconds <= 0:
-            return
-        old = self.seconds.get(fed)
-        self.seconds[fed] = seconds if old is None else old + 0.2 * (seconds - old)
+        """One call of ``fed`` tokens took ``seconds``."""
+        if self.measure and seconds > 0:
+            self.seconds[fed] = self._median(fed, seconds)
 
 
 @dataclass
@@ -378,7 +425,7 @@ def speculative_generate(
     runner.reserve(min(need, limit) if limit is not None else need)
     runner.reset()
     logits = runner.forward(torch.tensor(ids, dtype=torch.long), all_logits=False)
-    nxt = int(torch.argmax(logits[-1]).item())
+    nxt = argmax_ids(logits[-1])[0]
     while emit(nxt):
         fed = runner.position
         room = max_new_tokens - len(out)  # drafts beyond the last token wanted are never kept
@@ -387,6 +434,7 @@ def speculative_generate(
         if widest is not None:
             room = min(room, widest - 1)
         proposal, source = drafter.draft(context, room, draft) if room > 0 else ([], None)
+        declined = getattr(drafter, "declined", None) if room > 0 else None
         feed = torch.tensor([nxt, *proposal], dtype=torch.long)
         t0 = time.perf_counter()
         # a step without a draft is plain greedy's own call (the last position's logits), so it costs what a
@@ -396,7 +444,7 @@ def speculative_generate(
             raise RunnerError(f"{runner.runtime} returned {logits.shape[0]} positions' logits for {feed.numel()} "
                               "tokens; speculative decoding needs every position's (an ExecuTorch program "
                               "exported with verify_tokens, through its speculative_runner())")
-        choice = torch.argmax(logits, dim=-1).tolist()
+        choice = argmax_ids(logits)  # not torch.argmax: its woken thread pool slows the next call (argmax_ids)
         draft.timed(int(feed.numel()), time.perf_counter() - t0)
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
@@ -407,6 +455,8 @@ def speculative_generate(
             stats.drafted += len(proposal)
             stats.accepted += accepted
         draft.update(source, len(proposal), accepted)
+        if declined is not None:  # a lookup the policy turned down, checked against what the target chose
+            draft.observe(declined[1], declined[0], [*proposal[:accepted], int(choice[accepted])])
         if accepted < len(proposal) and not runner.truncate(fed + 1 + accepted):
             raise RunnerError(f"{runner.runtime} cannot cut its KV cache back exactly (a ring cache?): "
                               "speculative decoding needs it; decode plainly")

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from export.runtime import Runner, first_divergence, greedy_generate
+from export.runtime import Runner, argmax_ids, first_divergence, greedy_generate
 
 
 def _ids(x: Iterable[int] | torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ def latency(runner: Runner, prompt_ids, decode_tokens: int, runs: int = 3, warmu
         logits = runner.forward(prompt, all_logits=False)
         t1 = time.perf_counter()
         for _ in range(decode_tokens):
-            nxt = torch.argmax(logits[-1]).reshape(1)
+            nxt = torch.tensor(argmax_ids(logits[-1]), dtype=torch.long)  # not torch's pool (argmax_ids)
             logits = runner.forward(nxt, all_logits=False)
         t2 = time.perf_counter()
         if i >= warmup:

@@ -92,6 +92,77 @@ def test_measured_call_times_replace_the_cost_line():
             DraftLength(**bad)
 
 
+def test_declined_lookups_are_checked_for_free_so_copying_is_noticed_without_probes():
+    """A source the policy turned off learns from its declined proposals against what the target emitted
+    (no paid probe), and a source whose proposals cost nothing to check is never probed."""
+    dl = _fixed(max_k=4, prior_acceptance=0.2, cost_per_token=0.3, probe_every=2)
+    assert [dl.choose(3, 4, probe=False) for _ in range(4)] == [0, 0, 0, 0]  # no probe, however long
+    dl.observe(3, [7, 8, 9, 10], [7, 8, 9, 10, 11])  # the target copied all four: four held
+    assert dl.acceptance[3] > 0.5 and dl.choose(3, 4, probe=False) >= 2
+    dl.observe(3, [7, 8, 9], [7, 5])  # held once, then a rejection
+    a = dl.acceptance[3]
+    dl.observe(3, [7, 8, 9], [7])  # one held; nothing seen past what was emitted
+    assert dl.acceptance[3] > a
+
+
+class _Declining(NgramDrafter):
+    """Prompt lookup under a policy that never verifies (a source that starts out of favour)."""
+
+    def __init__(self):
+        super().__init__()
+        self.offered = 0
+
+    def draft(self, context, room, policy):
+        proposal, source = super().draft(context, room, policy)
+        self.offered += self.declined is not None
+        return proposal, source
+
+
+class _Counting(EagerRunner):
+    """A model that always says "the last token plus one" (every position's logits; exact cut-back)."""
+
+    def __init__(self):
+        super().__init__(torch.nn.Identity())
+        self.ids: list[int] = []
+
+    def reset(self):
+        super().reset()
+        self.ids = []
+
+    def forward(self, ids, *, all_logits=True):
+        ids = torch.as_tensor(ids).reshape(-1).tolist()
+        self.ids += ids
+        self._pos += len(ids)
+        logits = torch.nn.functional.one_hot((torch.tensor(ids) + 1) % 64, 64).float()
+        return logits if all_logits else logits[-1:]
+
+    def truncate(self, n):
+        del self.ids[n:]
+        self._pos = n
+        return True
+
+
+def test_the_loop_feeds_declined_proposals_back_to_the_policy():
+    """With acceptance far too low to draft, an answer that copies the prompt is found by the free checks:
+    the policy drafts again within the generation, and the output stays plain greedy's."""
+    runner, prompt = _Counting(), [*range(40), 0, 1, 2]  # the answer counts on: 3, 4, 5, ... as the prompt did
+    policy = _fixed(prior_acceptance=0.02, cost_per_token=0.05, probe_every=10_000)
+    drafter = _Declining()
+    out, stats = speculative_generate(runner, prompt, 30, drafter=drafter, draft=policy)
+    assert out == greedy_generate(runner, prompt, 30) == list(range(3, 33))
+    assert drafter.offered > 0 and stats.accepted > 20 and stats.calls < 15, stats
+
+
+def test_one_slow_call_does_not_price_a_length():
+    """Call times are the median of the last calls: one call slowed by the OS does not turn drafts off."""
+    dl = DraftLength()
+    for _ in range(7):
+        dl.timed(1, 0.010)
+        dl.timed(5, 0.015)
+    dl.timed(5, 0.200)
+    assert dl.cost(5) == pytest.approx(1.5)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "gemma"])
 def family_model(request):
     from tests.conftest import TINY_CONFIGS
