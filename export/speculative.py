@@ -273,16 +273,22 @@ class DraftLength:
         #: fed tokens -> one call's seconds: the median of its last TIMED_CALLS calls (one call's time jitters
         #: by tens of percent, and a mean led by one slow call once priced 4-token verifications at 4 steps)
         self.seconds: dict[int, float] = {}
-        #: a draft model's drafted token, in seconds (the same median)
-        self.draft_seconds: float | None = None
+        #: fed tokens (> 1) -> one call over the one-token step of its time: the median of the last
+        #: TIMED_CALLS such ratios. A ratio, not seconds over seconds: verification calls are rarer than
+        #: one-token steps, and seconds kept from an earlier, longer context (attention grows with it)
+        #: priced them at up to 3 steps where they cost 2
+        self.relative: dict[int, float] = {}
+        #: a draft model's drafted token in one-token steps of the target (the same median of ratios)
+        self.draft_relative: float | None = None
         self._timed: dict[object, deque] = {}
         self._idle = 0
 
     def cost(self, fed: int) -> float:
         """A call of ``fed`` tokens over a one-token step: measured where both are, else the prior line."""
-        one = self.seconds.get(1)
-        if self.measure and one and fed in self.seconds:
-            return self.seconds[fed] / one
+        if fed == 1:
+            return 1.0
+        if self.measure and fed in self.relative:
+            return self.relative[fed]
         return 1.0 + self.cost_per_token * (fed - 1)
 
     def choose(self, source, available: int, per_token: float = 0.0, probe: bool = True) -> int:
@@ -338,21 +344,26 @@ class DraftLength:
 
     def timed_draft(self, seconds: float) -> None:
         """A drafted token took ``seconds`` (its share of the proposal's draft calls, catch-up included)."""
-        if self.measure and seconds > 0:
-            self.draft_seconds = self._median("draft", seconds)
+        one = self.seconds.get(1)
+        if self.measure and seconds > 0 and one:
+            self.draft_relative = self._median("draft", seconds / one)
 
     def draft_cost(self) -> float:
         """A draft model's token in one-token steps of the target: measured where both are, else
         ``draft_cost_prior``."""
-        one = self.seconds.get(1)
-        if self.measure and one and self.draft_seconds:
-            return self.draft_seconds / one
+        if self.measure and self.draft_relative is not None:
+            return self.draft_relative
         return self.draft_cost_prior
 
     def timed(self, fed: int, seconds: float) -> None:
-        """One call of ``fed`` tokens took ``seconds``."""
-        if self.measure and seconds > 0:
-            self.seconds[fed] = self._median(fed, seconds)
+        """One call of ``fed`` tokens took ``seconds`` (a longer call is priced against the one-token
+        steps of its time; before the first of those it is not priced)."""
+        if not self.measure or seconds <= 0:
+            return
+        one = self.seconds.get(1)
+        self.seconds[fed] = self._median(fed, seconds)
+        if fed > 1 and one:
+            self.relative[fed] = self._median(("relative", fed), seconds / one)
 
 
 @dataclass
