@@ -119,6 +119,9 @@ class NgramDrafter:
 #: calls of each length whose median prices the next (DraftLength.timed)
 TIMED_CALLS = 15
 
+#: a paid probe's gap grows to at most this many times DraftLength.probe_every after failed probes
+PROBE_BACKOFF = 16
+
 #: DraftLength's key for a draft model's proposals (prompt lookup's are its n-gram lengths)
 MODEL_SOURCE = "model"
 
@@ -242,9 +245,10 @@ class DraftLength:
     as an exponential average of what verification kept; ``C`` from the timed calls themselves
     (``measure``; else ``1 + cost_per_token * k``, for deterministic tests). When no length pays,
     prompt lookup's declined proposals are checked against what the target emits (:meth:`observe`,
-    free), and a draft model's source gets a one-token draft every ``probe_every`` proposals: drafts
-    that keep failing cost one short call in ``probe_every`` steps, so decoding stays within a few
-    percent of plain (the bench's 0.95x floor)."""
+    free), and a draft model's source gets a one-token draft after ``probe_every`` declined proposals,
+    the gap doubling after each failed probe (up to ``PROBE_BACKOFF`` times): drafts that keep failing
+    cost ever fewer short calls, so decoding stays within a few percent of plain (the bench's 0.95x
+    floor)."""
 
     max_k: int = 8
     prior_acceptance: float = 0.5
@@ -280,6 +284,9 @@ class DraftLength:
         self.relative: dict[int, float] = {}
         #: a draft model's drafted token in one-token steps of the target (the same median of ratios)
         self.draft_relative: float | None = None
+        #: proposals between paid probes (doubles after each failed one), and the source probed last
+        self._gap = self.probe_every
+        self._probed = None
         self._timed: dict[object, deque] = {}
         self._idle = 0
 
@@ -312,8 +319,9 @@ class DraftLength:
         if not probe:
             return 0
         self._idle += 1
-        if self._idle >= self.probe_every:
+        if self._idle >= self._gap:
             self._idle = 0
+            self._probed = source
             return 1
         return 0
 
@@ -322,6 +330,12 @@ class DraftLength:
         observations of ``source``'s acceptance."""
         if drafted <= 0:
             return
+        if source == self._probed and self._probed is not None:
+            # a failed probe doubles the gap to the next (a draft model's probe costs its catch-up calls
+            # and a verification: at every 16 proposals that was a tenth of a summary's time); one that
+            # held brings it back
+            self._probed = None
+            self._gap = self.probe_every if accepted else min(2 * self._gap, self.probe_every * PROBE_BACKOFF)
         a = self.acceptance.get(source, self.prior_acceptance)
         for held in [1.0] * accepted + ([0.0] if accepted < drafted else []):
             a += self.rate * (held - a)

@@ -153,6 +153,25 @@ def test_the_loop_feeds_declined_proposals_back_to_the_policy():
     assert drafter.offered > 0 and stats.accepted > 20 and stats.calls < 15, stats
 
 
+def test_failed_probes_come_ever_more_rarely_and_one_that_holds_resets_them():
+    dl = _fixed(max_k=4, prior_acceptance=0.05, cost_per_token=0.8, probe_every=4)
+
+    def gap() -> int:  # declined proposals until the next probe, whose verdict is then reported
+        n = 1
+        while dl.choose("model", 4) == 0:
+            n += 1
+        return n
+
+    gaps = []
+    for _ in range(3):
+        gaps.append(gap())
+        dl.update("model", 1, 0)  # the probe failed
+    assert gaps == [4, 8, 16]
+    gap()
+    dl.update("model", 1, 1)  # this one held: back to the short gap
+    assert gap() == 4
+
+
 def test_one_slow_call_does_not_price_a_length():
     """Call times are the median of the last calls: one call slowed by the OS does not turn drafts off."""
     dl = DraftLength()
