@@ -119,3 +119,10 @@ def assert_keeps_plain_greedy(plain, fast, prompts: list[list[int]], cache: int)
         assert len(want) == cache - len(prompt) + 1
         drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     return drafted, accepted
+
+
+def fixed_policy(**kw):
+    """A draft policy priced by its cost line, not by timing the calls (so tests are deterministic)."""
+    from export.draft_policy import DraftLength
+
+    return DraftLength(measure=False, **kw)
