@@ -175,7 +175,7 @@ def speculative_compare(runner: Runner, state: RunState) -> dict | None:
 
 
 def model_drafter(runner: Runner):
-    """A :class:`~export.speculative.ModelDrafter` over the artifact's own draft model (a ``.pte``'s
+    """A :class:`~export.drafters.ModelDrafter` over the artifact's own draft model (a ``.pte``'s
     ``draft`` method), or None where it has none."""
     from export.runtime import RunnerError
     from export.speculative import ModelDrafter
