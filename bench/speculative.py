@@ -302,6 +302,12 @@ def main(argv=None) -> int:
         samples, stats, outputs = run_rounds(decoders, encoded, eos, args.rounds, label.split(":")[0])
         rows, res = table(label, decoders, sets, samples, stats, outputs)
         lines += rows + [""]
+        # what decides whether drafts pay on this host: the verification calls' price, as the policy measured it
+        policy = getattr(decoders["ngram"][0], "draft_policy", None)
+        if policy is not None and policy.relative:
+            lines += ["Verification calls, in one-token steps (the draft policy's medians at the end): " + ", ".join(
+                f"{n} tokens {c:.2f}" for n, c in sorted(policy.relative.items())) + ".", ""]
+            res["verify_call_cost"] = {n: round(c, 3) for n, c in sorted(policy.relative.items())}
         result[label.split(":")[0]] = res
     lines += [f"Wall time {time.perf_counter() - t_all:.0f} s; load avg {os.getloadavg()[0]:.1f} at the end."]
     text = "\n".join(lines)
@@ -309,7 +315,7 @@ def main(argv=None) -> int:
     args.output.write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
     bad = [f"{rt}/{k}" for rt, res in result.items() for k, v in res.items()
-           if not v["same_as_plain"] and not k.endswith("/peer")]
+           if "/" in k and not v["same_as_plain"] and not k.endswith("/peer")]
     if bad:
         print(f"error: outputs differ from plain greedy decoding: {bad}", file=sys.stderr)
         return 1

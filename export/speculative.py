@@ -33,7 +33,7 @@ calls, gets a short paid probe now and then instead.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -50,7 +50,9 @@ __all__ = ["MODEL_SOURCE", "PROBE_BACKOFF", "TIMED_CALLS", "DraftLength", "Draft
 @dataclass
 class SpeculativeStats:
     """What the drafts did: forward calls after the prefill, those that verified drafts, tokens
-    drafted and accepted, and the draft model's calls (its prefill included)."""
+    drafted and accepted, the draft model's calls (its prefill included), and what a call of each
+    length cost in one-token steps as the policy priced it at the end (measured on this device: the
+    figure that says whether verification pays here; empty where calls were not timed)."""
 
     tokens: int = 0
     calls: int = 0
@@ -58,6 +60,7 @@ class SpeculativeStats:
     drafted: int = 0
     accepted: int = 0
     draft_calls: int = 0
+    call_cost: dict[int, float] = field(default_factory=dict)
 
     @property
     def tokens_per_call(self) -> float:
@@ -157,6 +160,7 @@ def speculative_generate(
         nxt = int(choice[accepted])
     stats.tokens = len(out)
     stats.draft_calls = _draft_calls(drafter) - draft_calls0
+    stats.call_cost = {fed: round(c, 3) for fed, c in sorted(draft.relative.items())}
     return out, stats
 
 

@@ -120,7 +120,7 @@ def test_tokens_stream_in_order_as_they_are_kept(family_model):
     seen: list[int] = []
     out, stats = speculative_generate(runner, _prompts()[1], 30, on_token=seen.append)
     assert seen == out and stats.tokens == len(out) == 30
-    assert set(stats.as_dict()) >= {"tokens", "calls", "drafted", "accepted", "tokens_per_call", "acceptance"}
+    assert set(stats.as_dict()) >= {"tokens", "calls", "drafted", "accepted", "tokens_per_call", "acceptance", "call_cost"}
 
 
 class _LastOnly(EagerRunner):
@@ -160,6 +160,12 @@ def test_the_runner_keeps_its_draft_policy_across_generations(family_model):
     speculative_generate(runner, _prompts()[1], 20)
     policy = runner.draft_policy
     assert isinstance(policy, DraftLength) and policy.seconds.get(1) and policy.acceptance
+    # the stats carry what a verification call cost on this device, as the policy priced it
+    priced = DraftLength()
+    priced.timed(1, 0.001)  # a one-token step's time to price against from the first call
+    _, stats = speculative_generate(EagerRunner(model), _prompts()[1], 20, draft=priced)
+    assert stats.verify_calls > 0 and stats.call_cost == {n: round(c, 3) for n, c in priced.relative.items()}
+    assert stats.call_cost and all(n > 1 and c > 0 for n, c in stats.call_cost.items()), stats
     speculative_generate(runner, _prompts()[2], 20)
     assert runner.draft_policy is policy
     assert EagerRunner(model).draft_policy is None  # per runner, not per class
