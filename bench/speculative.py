@@ -296,12 +296,13 @@ def main(argv=None) -> int:
              "(greedy, EOS stops), chat template; decode tok/s = generated tokens after the first / time from the first "
              f"token (the end of the prefill) to the last; {args.rounds} round-robin rounds, median; x plain, x peer = "
              "the ratio within each round, median.", ""]
-    result = {}
+    result, bad = {}, []
     for make in runtimes:
         decoders, label = make(args, lm)
         samples, stats, outputs = run_rounds(decoders, encoded, eos, args.rounds, label.split(":")[0])
         rows, res = table(label, decoders, sets, samples, stats, outputs)
         lines += rows + [""]
+        bad += [f"{label.split(':')[0]}/{k}" for k, v in res.items() if not v["same_as_plain"] and not k.endswith("/peer")]
         # what decides whether drafts pay on this host: the verification calls' price, as the policy measured it
         policy = getattr(decoders["ngram"][0], "draft_policy", None)
         if policy is not None and policy.relative:
@@ -314,8 +315,6 @@ def main(argv=None) -> int:
     print(text)
     args.output.write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    bad = [f"{rt}/{k}" for rt, res in result.items() for k, v in res.items()
-           if "/" in k and not v["same_as_plain"] and not k.endswith("/peer")]
     if bad:
         print(f"error: outputs differ from plain greedy decoding: {bad}", file=sys.stderr)
         return 1

@@ -60,9 +60,10 @@ class DraftLength:
             raise ValueError(f"need 0 < rate <= 1, probe_every >= 1 and min_gain > 0, got {self.rate}, "
                              f"{self.probe_every}, {self.min_gain}")
         self.acceptance: dict = {}
-        #: fed tokens -> one call's seconds: the median of its last TIMED_CALLS calls (one call's time jitters
-        #: by tens of percent, and a mean led by one slow call once priced 4-token verifications at 4 steps)
-        self.seconds: dict[int, float] = {}
+        #: a one-token step's seconds: the median of the last TIMED_CALLS (one call's time jitters by tens of
+        #: percent, and a mean led by one slow call once priced 4-token verifications at 4 steps); None
+        #: until one is timed. Longer calls are kept only as ratios to it (relative)
+        self.step_seconds: float | None = None
         #: fed tokens (> 1) -> one call over the one-token step of its time: the median of the last
         #: TIMED_CALLS such ratios. A ratio, not seconds over seconds: verification calls are rarer than
         #: one-token steps, and seconds kept from an earlier, longer context (attention grows with it)
@@ -144,9 +145,8 @@ class DraftLength:
 
     def timed_draft(self, seconds: float) -> None:
         """A drafted token took ``seconds`` (its share of the proposal's draft calls, catch-up included)."""
-        one = self.seconds.get(1)
-        if self.measure and seconds > 0 and one:
-            self.draft_relative = self._median("draft", seconds / one)
+        if self.measure and seconds > 0 and self.step_seconds:
+            self.draft_relative = self._median("draft", seconds / self.step_seconds)
 
     def draft_cost(self) -> float:
         """A draft model's token in one-token steps of the target: measured where both are, else
@@ -160,7 +160,7 @@ class DraftLength:
         steps of its time; before the first of those it is not priced)."""
         if not self.measure or seconds <= 0:
             return
-        one = self.seconds.get(1)
-        self.seconds[fed] = self._median(fed, seconds)
-        if fed > 1 and one:
-            self.relative[fed] = self._median(("relative", fed), seconds / one)
+        if fed == 1:
+            self.step_seconds = self._median(1, seconds)
+        elif self.step_seconds:
+            self.relative[fed] = self._median(fed, seconds / self.step_seconds)

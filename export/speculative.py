@@ -15,19 +15,19 @@ percent of the logit scale, and greedy output that diverges within tens of token
 on :meth:`Runner.speculative_runner`, whose verification calls give one-token calls' logits bit for
 bit (a ``.pte``'s ``verify`` method, exported with ``verify_tokens``: attention row by row).
 
-Drafters (:mod:`export.drafters`): :class:`NgramDrafter` (prompt lookup: what followed the latest earlier occurrence of
-the context's last n-gram; no model, strong where the answer copies its input), :class:`ModelDrafter`
-(a small draft model's own greedy tokens, through a runner of its own: a ``.pte``'s ``draft`` method,
-made by the pipeline's ``draft`` block), and :class:`HybridDrafter` (prompt lookup where it matches,
-the draft model elsewhere).
+Drafters (:mod:`export.drafters`): :class:`NgramDrafter` (prompt lookup: what followed the latest
+earlier occurrence of the context's last n-gram; no model, strong where the answer copies its input),
+:class:`ModelDrafter` (a small draft model's own greedy tokens, through a runner of its own: a
+``.pte``'s ``draft`` method, made by the pipeline's ``draft`` block), and :class:`HybridDrafter`
+(prompt lookup where it matches, the draft model elsewhere).
 
-The draft length adapts (:class:`~export.draft_policy.DraftLength`): each proposal is cut to the length that earns the
-most tokens per second, from the acceptance its source has had and the measured time of the
-runner's calls by length; where no length pays, steps are plain (one token through the ordinary
-forward), so a prompt where drafts fail costs plain decoding's steps plus a dictionary lookup per
-token. A lookup proposal the policy declines is still checked against the tokens the target emits
-(free), so the policy notices when copying resumes; a draft model's source, whose proposals cost
-calls, gets a short paid probe now and then instead.
+The draft length adapts (:class:`~export.draft_policy.DraftLength`): each proposal is cut to the
+length that earns the most tokens per second, from the acceptance its source has had and the
+measured time of the runner's calls by length; where no length pays, steps are plain (one token
+through the ordinary forward), so a prompt where drafts fail costs plain decoding's steps plus a
+dictionary lookup per token. A lookup proposal the policy declines is still checked against the
+tokens the target emits (free), so the policy notices when copying resumes; a draft model's source,
+whose proposals cost calls, gets a short paid probe now and then instead.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ def speculative_line(stats, stamps: list[float], mode: str = "ngram") -> str:
     rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else None
     acc = f"{stats.accepted}/{stats.drafted} drafted tokens accepted" if stats.drafted else "no drafts"
     model = f", {stats.draft_calls} draft model calls" if stats.draft_calls else ""
-    cost = getattr(stats, "call_cost", None)
+    cost = stats.call_cost
     # what verification costs on this device decides whether drafts pay: a call of n tokens in one-token steps
     priced = (", calls of " + "/".join(f"{n}" for n in cost) + " tokens cost "
               + "/".join(f"{c:.2f}" for c in cost.values()) + " one-token steps") if cost else ""

@@ -38,7 +38,7 @@ def test_measured_call_times_replace_the_cost_line():
         dl.timed(fed, 0.040)  # every verification costs four steps
     assert dl.cost(3) == pytest.approx(4.0) and dl.choose(1, 4) == 0
     dl.timed(1, 0.0)  # a zero reading is ignored
-    assert dl.seconds[1] == 0.010
+    assert dl.step_seconds == 0.010
     for bad in ({"max_k": 0}, {"prior_acceptance": 1.0}, {"rate": 0.0}, {"probe_every": 0}):
         with pytest.raises(ValueError):
             DraftLength(**bad)

@@ -159,7 +159,7 @@ def test_the_runner_keeps_its_draft_policy_across_generations(family_model):
     assert runner.draft_policy is None
     speculative_generate(runner, _prompts()[1], 20)
     policy = runner.draft_policy
-    assert isinstance(policy, DraftLength) and policy.seconds.get(1) and policy.acceptance
+    assert isinstance(policy, DraftLength) and policy.step_seconds and policy.acceptance
     # the stats carry what a verification call cost on this device, as the policy priced it
     priced = DraftLength()
     priced.timed(1, 0.001)  # a one-token step's time to price against from the first call
