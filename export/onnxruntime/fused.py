@@ -234,15 +234,15 @@ def _per_token_nodes(gr: _Graph, node: onnx.NodeProto, bq: BlockQuant, prefix: s
 
 def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: Callable[[str], None], *,
             decode_branch: bool = True, int8_format: dict | None = None, last_logits: bool = True,
-            verify_rows: bool = False) -> dict:
+            verify_rows: int = 0) -> dict:
     """Rewrite the builder's fp32 graph at ``src`` into ``dst`` (``model.onnx`` + ``.data``)
     with the planned kernels; returns what was installed (for the manifest). ``decode_branch``:
     per-token Linears run as one DynamicQuantizeMatMul each when one token is fed
     (:mod:`export.onnxruntime.decode_branch`). ``int8_format``: the resolved
     :func:`export.onnxruntime.int8_format.resolve_int8_format` for the per-token Linears
     (default u8s8). ``last_logits``: ``logits`` is the last position's and ``all_logits`` every
-    position's on request (:mod:`export.onnxruntime.last_logits`). ``verify_rows``: several-token
-    calls that give one-token calls' logits bit for bit on request (:mod:`export.onnxruntime.verify_rows`;
+    position's on request (:mod:`export.onnxruntime.last_logits`). ``verify_rows``: the most tokens
+    a verification call takes (0: none), calls that give one-token calls' logits bit for bit on request (:mod:`export.onnxruntime.verify_rows`;
     MatMulNBits blocks capped to the sizes whose kernels are row-exact)."""
     int8_format = int8_format or {"format": "u8s8", "why": "default"}
     unsigned = int8_format["format"] == "u8u8"
@@ -298,7 +298,7 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
     gr.prune()
     head = split_head(proto, hidden, gr.chains) if last_logits and hidden else None
     branched = add_decode_branch(proto, gr.chains) if decode_branch else 0
-    verified = add_verify_rows(proto) if verify_rows else 0
+    verified = add_verify_rows(proto, verify_rows) if verify_rows else 0
     if verify_rows and not verified:
         raise ExportError("onnxruntime exporter: verify_tokens needs the fused graph's GroupQueryAttention; this graph "
                           "has none")

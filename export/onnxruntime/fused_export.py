@@ -57,7 +57,7 @@ def build_fused(model: torch.nn.Module, tokenizer: Any, opts: Any, stage: Path, 
     t2 = time.perf_counter()
     installed = install(built / "model.onnx", stage / "model.onnx", model, plan, log, decode_branch=opts.decode_branch,
                         int8_format=opts.resolved_int8_format(), last_logits=opts.last_logits,
-                        verify_rows=bool(opts.verify_tokens))
+                        verify_rows=opts.verify_tokens or 0)
     t3 = time.perf_counter()
     for f in sorted(built.iterdir()):
         if f.is_file() and not f.name.startswith("model.onnx"):

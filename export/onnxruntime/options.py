@@ -55,9 +55,11 @@ class OnnxRuntimeOptions(ExportOptions):
     verify_tokens: int | None = Field(
         None, ge=2, le=32, description="fused graph: verification calls for speculative decoding (optimize run "
         "--speculative): up to this many tokens a call, each position's logits bit for bit what a one-token call "
-        "gives, through the input verify_rows (each GroupQueryAttention attends row by row when it is true; "
-        "MatMulNBits blocks capped at 32 columns for 4 bits, 64 for 8, whose kernels are row-exact). It defaults "
-        "to false, so onnxruntime-genai and apps run the graph as before. null (default): not added",
+        "gives, through the input verify_rows (true: each GroupQueryAttention's output is its probabilities times V "
+        "as one-row products; MatMulNBits blocks capped at 32 columns for 4 bits, 64 for 8, whose kernels are "
+        "row-exact). It defaults to false. One-token steps then take the attention path that returns probabilities "
+        "(plain decoding about 0-11% slower per step, more at long context: export with it only to decode "
+        "speculatively). null (default): not added",
     )
     opset: int = Field(18, ge=18, le=23, description="ONNX opset of the dynamo graph (18..23)")
     external_data: Literal["auto", "always", "never"] = Field(

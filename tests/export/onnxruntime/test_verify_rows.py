@@ -102,10 +102,9 @@ def test_speculative_decoding_keeps_plain_greedy_tokens(exports, key):
 
 
 def test_genai_sizes_its_buffer_to_the_generation(exports):
-    """onnxruntime-genai's past and present share one max_length buffer, which every one-row attention of a
-    verification call copies: speculative_generate reserves what the generation needs (prompt + new
-    tokens + a draft), the next generator is sized to it (rounded up), and one without the hint gets
-    max_seq_len again. The tokens are plain greedy's either way."""
+    """onnxruntime-genai's past and present share one max_length buffer: speculative_generate reserves what
+    the generation needs (prompt + new tokens + a draft), the next generator is sized to it (rounded up),
+    and one without the hint gets max_seq_len again. The tokens are plain greedy's either way."""
     runner = OnnxRuntimeExporter().load(exports["llama", "int4"].artifact.parent)
     fast = runner.speculative_runner()
     fast.RESERVE_STEP = 16
@@ -137,6 +136,51 @@ def test_without_the_input_several_rows_attend_as_a_block(exports):
     runner.forward(context, all_logits=False)
     block = runner.forward(feed, all_logits=True)  # verify_rows left false
     assert not torch.equal(block, one) and torch.allclose(block, one, atol=1e-4)
+
+
+def test_one_token_steps_take_the_probabilities_path_and_prefill_keeps_the_node(exports):
+    """Where each kind of call goes: a verification call through the block and the one-row products, a
+    one-token step through the attention that returns its probabilities (what a verification row matches),
+    prefill through the node as the builder wrote it (ONNX Runtime's flash kernel: the same in plain and
+    speculative decoding, and faster)."""
+    def qk(node) -> int | None:
+        return next((a.i for a in node.attribute if a.name == "qk_output"), None)
+
+    def branch(node, name):
+        return next(a.g for a in node.attribute if a.name == name)
+
+    g = onnx.load(str(exports["llama", "int4"].artifact), load_external_data=False).graph
+    wraps = [n for n in g.node if n.op_type == "If" and n.name.endswith("/verify_rows/If")]
+    assert len(wraps) == 2
+    for w in wraps:
+        rows = branch(w, "then_branch")
+        block = next(n for n in rows.node if n.op_type == "GroupQueryAttention")
+        assert qk(block) == 2 and sum(n.op_type == "MatMul" for n in rows.node) == 2  # the block and one recompute
+        (choose,) = branch(w, "else_branch").node
+        assert choose.op_type == "If" and choose.input[0] == "/verify_rows/one_token"
+        assert [qk(n) for n in branch(choose, "then_branch").node] == [2]
+        assert [qk(n) for n in branch(choose, "else_branch").node] == [None]
+    # W8A8: its decode branch runs one-token steps, so the wrapped branch's plain side is prefill only
+    g = onnx.load(str(exports["llama", "w8a8"].artifact), load_external_data=False).graph
+    decode = next(n for n in g.node if n.name == "/decode_branch/If")
+    assert [qk(n) for n in branch(decode, "then_branch").node if n.op_type == "GroupQueryAttention"] == [2, 2]
+    wraps = [n for n in branch(decode, "else_branch").node if n.op_type == "If" and n.name.endswith("/verify_rows/If")]
+    assert len(wraps) == 2 and all([qk(n) for n in branch(w, "else_branch").node] == [None] for w in wraps)
+
+
+def test_a_graph_whose_rows_are_not_exact_is_refused_before_it_decodes(smollm2_tokenizer, tmp_path, monkeypatch):
+    """The runners check the verification graph against one-token calls when speculative decoding starts
+    (export/onnxruntime/verify_rows.py: check_rows). A graph built without the recompute of the rows whose
+    causal length is 3 modulo 4 differs there, and is refused with the reason; plain decoding still runs."""
+    import export.onnxruntime.verify_rows as vr
+
+    monkeypatch.setattr(vr, "_slots", lambda max_tokens: 0)
+    res = OnnxRuntimeExporter().export(_model("llama", "fp32"), smollm2_tokenizer, tmp_path / "broken",
+                                       {"verify_tokens": 5, "max_seq_len": 64}, log=_quiet)
+    for name, runner in _runners(res).items():
+        with pytest.raises(RunnerError, match="not exact on this host .*row 1 of a 5-token verification call"):
+            runner.speculative_runner()
+        assert len(greedy_generate(runner, _prompts()[1], 4)) == 4, name
 
 
 def test_an_export_without_verify_tokens_refuses_and_large_blocks_are_capped(smollm2_tokenizer, tmp_path):
