@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from export.onnxruntime.exporter import OnnxRuntimeExporter
+from export.onnxruntime.runner import OnnxRuntimeRunner
 from export.onnxruntime.verify_rows import VERIFY
 from export.runtime import RunnerError, greedy_generate
 from export.speculative import DraftLength, speculative_generate
@@ -259,3 +260,57 @@ def test_optimize_run_decodes_an_onnx_export_speculatively(exports):
     assert lines and lines[0].startswith("[speculative ngram]")
     with pytest.raises(RunnerError, match="carry no draft model"):
         generate_from_artifact(folder, prompt, max_new_tokens=4, stream=None, speculative="draft")
+
+
+GUEST = '''
+import json, sys
+import torch
+from export.onnxruntime.runner import OnnxRuntimeRunner
+from export.runtime import RunnerError, greedy_generate
+from export.speculative import DraftLength, speculative_generate
+
+out = {}
+for path in sys.argv[1:]:
+    runner = OnnxRuntimeRunner(path)
+    try:
+        fast = runner.speculative_runner()
+    except RunnerError as exc:
+        out[path] = {"refused": str(exc)}
+        continue
+    prompt = [int(t) for t in json.loads(open(path + ".prompt").read())]
+    got, stats = speculative_generate(fast, prompt, 60, draft=DraftLength(measure=False, cost_per_token=0.05))
+    out[path] = {"same": got == greedy_generate(runner, prompt, 60), "drafted": stats.drafted}
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.minutes(1.0)
+def test_on_arm64_the_check_passes_fp32_and_refuses_int4(arm64_env, smollm2_tokenizer, tmp_path):
+    """The verification graph's exactness rests on x86-64 kernels; the check decides on the host. In the
+    ARM64 build of ONNX Runtime under QEMU (Cortex-A76, the Raspberry Pi 5's core) an fp32 export passes
+    and decodes speculatively to plain greedy's tokens, and an int4 export is refused: MLAS's Arm
+    MatMulNBits kernel for several rows sums otherwise than its one-row kernel (measured 2026-12-07:
+    row 0 differs by about 2e-6; the same on Cortex-A72 and QEMU's max)."""
+    import json
+
+    from export.arm64.verify import PROJECT, _pick_cpu
+    from targets.arm64.emulate import run_python
+
+    paths = []
+    for kind in ("fp32", "int4"):
+        res = OnnxRuntimeExporter().export(_model("llama", kind), smollm2_tokenizer, tmp_path / kind,
+                                           {"verify_tokens": 5, "max_seq_len": 160}, log=_quiet)
+        res.artifact.with_name(res.artifact.name + ".prompt").write_text(json.dumps(_prompts()[0]))
+        paths.append(str(res.artifact))
+    script = tmp_path / "guest.py"
+    script.write_text(GUEST)
+    core, _ = _pick_cpu("cortex-a76", None)
+    run = run_python(arm64_env, core, [str(script), *paths], paths=[PROJECT], timeout=600)
+    assert run.failure() is None, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got[paths[0]] == {"same": True, "drafted": got[paths[0]]["drafted"]} and got[paths[0]]["drafted"] > 0
+    assert "not exact on this host" in got[paths[1]]["refused"]
+    # the host's x86-64 build passes both
+    for path in paths:
+        assert OnnxRuntimeRunner(path).speculative_runner().verify_tokens == 5
