@@ -242,8 +242,9 @@ def install(src: Path, dst: Path, model: torch.nn.Module, plan: FusedPlan, log: 
     :func:`export.onnxruntime.int8_format.resolve_int8_format` for the per-token Linears
     (default u8s8). ``last_logits``: ``logits`` is the last position's and ``all_logits`` every
     position's on request (:mod:`export.onnxruntime.last_logits`). ``verify_rows``: the most tokens
-    a verification call takes (0: none), calls that give one-token calls' logits bit for bit on request (:mod:`export.onnxruntime.verify_rows`;
-    MatMulNBits blocks capped to the sizes whose kernels are row-exact)."""
+    a verification call takes (0: none), calls that give one-token calls' logits bit for bit on request
+    (:mod:`export.onnxruntime.verify_rows`; MatMulNBits blocks capped to the sizes whose kernels are
+    row-exact)."""
     int8_format = int8_format or {"format": "u8s8", "why": "default"}
     unsigned = int8_format["format"] == "u8u8"
     proto = onnx.load(str(src), load_external_data=False)

@@ -284,8 +284,13 @@ def check_rows(runner, tokens: int) -> str | None:
     Returns None where every row is bit for bit, else what differed. The runner is reset after."""
     import torch
 
+    limit = runner.max_seq_len
     try:
         for prefix in PROBE_PREFIXES:
+            if limit is not None:  # a short cache: as many rows as fit after the prefix
+                tokens = min(tokens, limit - prefix - 1)
+            if tokens < 2:
+                continue
             ids = torch.arange(prefix + tokens, dtype=torch.long) % 97 + 3  # ordinary ids of any vocabulary
             runner.reset()
             runner.forward(ids[:prefix], all_logits=False)
