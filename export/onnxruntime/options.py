@@ -58,7 +58,7 @@ class OnnxRuntimeOptions(ExportOptions):
         "gives, through the input verify_rows (true: each GroupQueryAttention's output is its probabilities times V "
         "as one-row products; MatMulNBits blocks capped at 32 columns for 4 bits, 64 for 8, whose kernels are "
         "row-exact). It defaults to false. One-token steps then take the attention path that returns probabilities "
-        "(plain decoding about 0-11% slower per step, more at long context: export with it only to decode "
+        "(plain decoding about 4-20% slower per step, more at long context: export with it only to decode "
         "speculatively). null (default): not added",
     )
     opset: int = Field(18, ge=18, le=23, description="ONNX opset of the dynamo graph (18..23)")

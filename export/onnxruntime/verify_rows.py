@@ -27,9 +27,13 @@ So with ``verify_tokens`` every ``GroupQueryAttention`` becomes ``If(verify_rows
   one-row kernel sums a last group of 3 in another order than 3 of a group of 4: measured on every
   length to 1003 and head sizes 8 to 256), so those rows are computed again over exactly their length
   (one row in 4, a ``Slice`` of V and a small ``MatMul`` each) and replace theirs;
-- else: a one-token step runs the node with ``qk_output`` (the path the rows above match); a prefill
-  runs the node as it was (the flash kernel: faster, and the same in plain and speculative decoding).
-  A W8A8 graph's decode branch holds its one-token steps, so there the else branch is prefill only.
+- else: a prefill runs the node as it was (the flash kernel: faster, and the same in plain and
+  speculative decoding).
+
+One-token steps run the node with ``qk_output`` (the path the rows above match): each attention is
+``If(one_token)`` first, whose else branch holds ``If(verify_rows)``, so a step pays one ``If`` a layer
+and a verification call or a prefill two. A W8A8 graph's decode branch holds its one-token steps, so
+there the attentions ask for probabilities in that branch and the other gets ``If(verify_rows)`` alone.
 
 What the layers share (the call's rows, past length, the recomputed rows' positions) is computed once a
 call (:func:`_prelude`). ``verify_rows`` is an overridable initializer that defaults to false (as
@@ -229,9 +233,17 @@ def _branch(node: onnx.NodeProto, name: str, outputs: list[str], probs: bool) ->
                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs])
 
 
+def _verify_if(n: onnx.NodeProto, tag: str, outputs: list[str], max_tokens: int) -> onnx.NodeProto:
+    """``If(verify_rows)``: the verification rows, else the node as it was (prefill)."""
+    return helper.make_node("If", [VERIFY], outputs, name=f"{tag}/If", then_branch=_rows(n, tag, max_tokens),
+                            else_branch=_branch(n, f"{tag}/prefill", [f"{tag}/prefill/{k}" for k in ("out", "pk", "pv")],
+                                                probs=False))
+
+
 def _wrap(g: onnx.GraphProto, max_tokens: int, *, one_token_steps: bool) -> int:
-    """``one_token_steps``: the calls that reach the else branch include one-token steps (no decode
-    branch), which must take the probabilities path; prefill keeps the node as it was."""
+    """``one_token_steps``: the graph's calls include one-token steps (no decode branch), which must take
+    the probabilities path: each attention becomes ``If(one_token)``, its else branch ``If(verify_rows)``;
+    else each becomes ``If(verify_rows)`` alone. Prefill keeps the node as it was."""
     nodes = list(g.node)
     gqa = [n for n in nodes if n.op_type == "GroupQueryAttention"]
     kv = {int(_attrs(n)["kv_num_heads"]) for n in gqa}
@@ -247,20 +259,17 @@ def _wrap(g: onnx.GraphProto, max_tokens: int, *, one_token_steps: bool) -> int:
             out.extend(shared)
             g.initializer.extend(consts)
         tag = f"{n.name}/verify_rows"
-        outs = [f"{tag}/plain/{k}" for k in ("out", "pk", "pv")]
-        if one_token_steps:
-            steps = [f"{tag}/step/{k}" for k in ("out", "pk", "pv")]
-            prefill = [f"{tag}/prefill/{k}" for k in ("out", "pk", "pv")]
-            plain = helper.make_graph(
-                [helper.make_node("If", [_p("one_token")], outs, name=f"{tag}/one_token",
-                                  then_branch=_branch(n, f"{tag}/step", steps, probs=True),
-                                  else_branch=_branch(n, f"{tag}/prefill", prefill, probs=False))],
-                f"{tag.strip('/').replace('/', '_')}_plain", [],
-                [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs])
-        else:
-            plain = _branch(n, f"{tag}/plain", outs, probs=False)
-        out.append(helper.make_node("If", [VERIFY], list(n.output[:3]), name=f"{tag}/If",
-                                    then_branch=_rows(n, tag, max_tokens), else_branch=plain))
+        if not one_token_steps:
+            out.append(_verify_if(n, tag, list(n.output[:3]), max_tokens))
+            continue
+        # one-token steps first: one If a layer on the hot path, a second only for prefill and verification
+        several = [f"{tag}/several/{k}" for k in ("out", "pk", "pv")]
+        out.append(helper.make_node(
+            "If", [_p("one_token")], list(n.output[:3]), name=f"{tag}/one_token",
+            then_branch=_branch(n, f"{tag}/step", [f"{tag}/step/{k}" for k in ("out", "pk", "pv")], probs=True),
+            else_branch=helper.make_graph(
+                [_verify_if(n, tag, several, max_tokens)], f"{tag.strip('/').replace('/', '_')}_several", [],
+                [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in several])))
     del g.node[:]
     g.node.extend(out)
     return len(gqa)

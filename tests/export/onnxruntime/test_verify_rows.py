@@ -151,16 +151,16 @@ def test_one_token_steps_take_the_probabilities_path_and_prefill_keeps_the_node(
         return next(a.g for a in node.attribute if a.name == name)
 
     g = onnx.load(str(exports["llama", "int4"].artifact), load_external_data=False).graph
-    wraps = [n for n in g.node if n.op_type == "If" and n.name.endswith("/verify_rows/If")]
-    assert len(wraps) == 2
-    for w in wraps:
+    steps = [n for n in g.node if n.op_type == "If" and n.name.endswith("/verify_rows/one_token")]
+    assert len(steps) == 2 and all(n.input[0] == "/verify_rows/one_token" for n in steps)
+    for s in steps:
+        assert [qk(n) for n in branch(s, "then_branch").node] == [2]  # one If a layer on a one-token step
+        (w,) = branch(s, "else_branch").node
+        assert w.op_type == "If" and w.input[0] == VERIFY
         rows = branch(w, "then_branch")
         block = next(n for n in rows.node if n.op_type == "GroupQueryAttention")
         assert qk(block) == 2 and sum(n.op_type == "MatMul" for n in rows.node) == 2  # the block and one recompute
-        (choose,) = branch(w, "else_branch").node
-        assert choose.op_type == "If" and choose.input[0] == "/verify_rows/one_token"
-        assert [qk(n) for n in branch(choose, "then_branch").node] == [2]
-        assert [qk(n) for n in branch(choose, "else_branch").node] == [None]
+        assert [qk(n) for n in branch(w, "else_branch").node] == [None]
     # W8A8: its decode branch runs one-token steps, so the wrapped branch's plain side is prefill only
     g = onnx.load(str(exports["llama", "w8a8"].artifact), load_external_data=False).graph
     decode = next(n for n in g.node if n.name == "/decode_branch/If")
