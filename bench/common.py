@@ -44,6 +44,25 @@ def print_results(header: str, table: str, results: Any, json_path: Path | None)
     return 0
 
 
+def positions_table(names: list[str], positions: dict) -> list[str]:
+    """Markdown rows of ms per step by position for several artifacts (``positions``: position -> one
+    ``{"ms", "ratio"}`` per artifact), with each ratio to the first (bench/et_positions.py, bench/onnx_positions.py)."""
+    head = ["position", *(f"{n} ms" for n in names), *(f"{n} / {names[0]}" for n in names[1:])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for pos, cells in positions.items():
+        row = [str(pos), *(f"{c['ms']:.2f}" for c in cells), *(f"{c['ratio']:.3f}" for c in cells[1:])]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def parse_positions(ap, text: str) -> list[int]:
+    """``--positions``' comma-separated integers; a clear argparse error otherwise."""
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        ap.error(f"--positions takes comma-separated integers, got {text!r}")
+
+
 def load_pte_module(pte: str | Path, threads: int, **load_kwargs: Any):
     """``pte`` loaded through ExecuTorch's pybindings (the module the profilers time), with the kernels
     it needs registered first and ExecuTorch's threadpool at ``threads``."""

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
 
-from bench.common import load_pte_module, print_results  # noqa: E402
+from bench.common import load_pte_module, parse_positions, positions_table, print_results  # noqa: E402
 
 
 def load(pte: Path, threads: int):
@@ -82,11 +82,7 @@ def sweep(ptes: list[Path], positions: list[int], *, steps: int = 30, rounds: in
 
 def table(res: dict) -> str:
     names = [Path(p).parent.name if Path(p).name == "model.pte" else Path(p).name for p in res["ptes"]]
-    head = ["position", *(f"{n} ms" for n in names), *(f"{n} / {names[0]}" for n in names[1:])]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for pos, cells in res["positions"].items():
-        row = [str(pos), *(f"{c['ms']:.2f}" for c in cells), *(f"{c['ratio']:.3f}" for c in cells[1:])]
-        lines.append("| " + " | ".join(row) + " |")
+    lines = positions_table(names, res["positions"])
     return "\n".join(lines)
 
 
@@ -99,10 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="ExecuTorch threadpool size")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = ap.parse_args(argv)
-    try:
-        positions = [int(p) for p in a.positions.split(",") if p.strip()]
-    except ValueError:
-        ap.error(f"--positions takes comma-separated integers, got {a.positions!r}")
+    positions = parse_positions(ap, a.positions)
     res = sweep(a.pte, positions, steps=a.steps, rounds=a.rounds, threads=a.threads)
     return print_results(f"ms per decode step (1 token), median of {a.rounds} rounds of {a.steps} calls, "
                          f"{a.threads} threads, one process, libtorch intra-op threads 1", table(res), res, a.json)

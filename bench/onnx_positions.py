@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
 
-from bench.common import print_results  # noqa: E402
+from bench.common import parse_positions, positions_table, print_results  # noqa: E402
 
 
 def _open(folder: Path, threads: int):
@@ -108,11 +108,7 @@ def _name(folder: str) -> str:
 
 def table(res: dict) -> str:
     names = [_name(f) for f in res["folders"]]
-    head = ["position", *(f"{n} ms" for n in names), *(f"{n} / {names[0]}" for n in names[1:])]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for pos, cells in res["positions"].items():
-        row = [str(pos), *(f"{c['ms']:.2f}" for c in cells), *(f"{c['ratio']:.3f}" for c in cells[1:])]
-        lines.append("| " + " | ".join(row) + " |")
+    lines = positions_table(names, res["positions"])
     for folder, by_pos in res["verify_calls"].items():
         lengths = sorted({t for costs in by_pos.values() for t in costs})
         lines += ["", f"{_name(folder)}: a verification call of T tokens, in its one-token steps", "",
@@ -131,10 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     a = ap.parse_args(argv)
-    try:
-        positions = [int(p) for p in a.positions.split(",") if p.strip()]
-    except ValueError:
-        ap.error(f"--positions takes comma-separated integers, got {a.positions!r}")
+    positions = parse_positions(ap, a.positions)
     res = sweep(a.folder, positions, steps=a.steps, rounds=a.rounds, threads=a.threads)
     return print_results(f"onnxruntime-genai, ms per one-token step, median of {a.rounds} rounds of {a.steps} calls, "
                          f"{a.threads} threads, one process", table(res), res, a.json)
