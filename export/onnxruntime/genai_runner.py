@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
-from export.onnxruntime.verify_rows import VERIFY, check_rows, has_verify_rows
+from export.onnxruntime.verify_rows import VERIFY, has_verify_rows, require_exact_rows
 from export.runtime import Runner, RunnerError
 
 log = logging.getLogger(__name__)
@@ -208,11 +208,7 @@ class GenaiRunner(Runner):
         other._ask, other._verify = np.array(False), np.array(False)  # its own generator's buffers
         other._verifying, other.verify_tokens, other.draft_policy = True, most, None
         other.reset()
-        problem = check_rows(other, other.verify_tokens)
-        if problem is not None:
-            raise RunnerError(f"{self.path.name}: verification calls are not exact on this host ({problem}); "
-                              "speculative decoding would change the output, so it is refused here (plain decoding "
-                              "is unaffected)")
+        require_exact_rows(other, self.path.name)
         return other
 
     def truncate(self, n: int) -> bool:

@@ -16,7 +16,7 @@ import torch
 from export.runtime import Runner, RunnerError
 from export.onnxruntime.int8_format import warn_if_saturates
 from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
-from export.onnxruntime.verify_rows import VERIFY, check_rows, has_verify_rows
+from export.onnxruntime.verify_rows import VERIFY, has_verify_rows, require_exact_rows
 
 MANIFEST = "manifest.json"
 GRAPH_LEVELS = ("disable", "basic", "extended", "all")
@@ -204,11 +204,7 @@ class OnnxRuntimeRunner(Runner):
         other = copy.copy(self)
         other._verifying, other.verify_tokens, other.draft_policy = True, self._verify_max, None
         other.reset()
-        problem = check_rows(other, other.verify_tokens)
-        if problem is not None:
-            raise RunnerError(f"{self.path.name}: verification calls are not exact on this host ({problem}); "
-                              "speculative decoding would change the output, so it is refused here (plain decoding "
-                              "is unaffected)")
+        require_exact_rows(other, self.path.name)
         return other
 
     def truncate(self, n: int) -> bool:

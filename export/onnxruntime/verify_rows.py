@@ -101,15 +101,14 @@ def _prelude(q: str, tot: str, kv_heads: int, max_tokens: int) -> tuple[list, li
                                                                ("L", [1]))]
     nodes = [
         mk("Shape", [q], [i("B")], start=0, end=1, name=i("B")),  # [1] int64
-        mk("Shape", [q], [i("S")], start=1, end=2, name=i("S")),
         mk("Cast", [tot], [i("tot64")], to=TensorProto.INT64, name=i("tot64")),
         mk("Reshape", [i("tot64"), p("c/one")], [i("total")], name=i("total")),  # [1]
-        mk("Sub", [i("total"), i("S")], [i("past")], name=i("past")),
-        mk("Sub", [i("S"), p("c/one")], [i("last")], name=i("last")),
+        mk("Sub", [i("total"), p("S")], [i("past")], name=i("past")),
+        mk("Sub", [p("S"), p("c/one")], [i("last")], name=i("last")),
         # probabilities [B, H, S, total] -> [B, Hkv, g*S, 1, total]: one-row products with V
         mk("Concat", [i("B"), p("c/kv_heads"), p("c/minus_one"), p("c/one"), i("total")], [i("rows_shape")], axis=0,
            name=i("rows_shape")),
-        mk("Squeeze", [i("S")], [i("S_s")], name=i("S_s")),
+        mk("Squeeze", [p("S")], [i("S_s")], name=i("S_s")),
         mk("Range", [p("c/zero_s"), i("S_s"), p("c/one_s")], [i("rowids")], name=i("rowids")),
         mk("Unsqueeze", [i("rowids"), p("c/one")], [i("rowcol")], name=i("rowcol")),  # [S, 1]
         # the first row whose causal length past + 1 + r is RECOMPUTE_MOD4 modulo 4
@@ -315,3 +314,14 @@ def check_rows(runner, tokens: int) -> str | None:
     finally:
         runner.reset()
     return None
+
+
+def require_exact_rows(runner, name: str) -> None:
+    """:func:`check_rows` for a runner's ``speculative_runner()``: a graph whose rows differ on this host is
+    refused with what differed (``name``: the artifact, for the message)."""
+    from export.runtime import RunnerError
+
+    problem = check_rows(runner, runner.verify_tokens)
+    if problem is not None:
+        raise RunnerError(f"{name}: verification calls are not exact on this host ({problem}); speculative "
+                          "decoding would change the output, so it is refused here (plain decoding is unaffected)")
