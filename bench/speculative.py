@@ -25,6 +25,10 @@ first token, which ends the prefill, to the last), tokens per verification call,
 ratio to plain decoding of the same artifact and to the peer (each paired within a round, round-robin
 over the decoders, median over rounds), and whether every output equals plain greedy decoding.
 
+``--temperature T`` (with ``--top-p``) samples instead (``export.sampling``), every decoder with the
+same seed for a prompt (from its ids): speculative rows must then give plain sampling's tokens, and
+the drafts, still greedy, are kept by the standard rejection rule, so fewer are kept than greedy keeps.
+
     flock /tmp/heavy.lock .venv/bin/python bench/speculative.py [--rounds 3] [--with-optimum] [--onnx] [--pte model.pte]
 """
 
@@ -49,6 +53,19 @@ import torch  # noqa: E402
 THREADS = 2
 MAX_NEW = 96
 VERIFY_TOKENS = 5  # drafts of up to 4 tokens: a call pays for its rows, repeats included (docs/executorch.md)
+#: --temperature / --top-p: how every decoder samples (None: greedy); each prompt's seed comes from its ids
+SAMPLING: dict | None = None
+
+
+def sampling_for(ids: list[int]):
+    """The prompt's ``Sampling`` (one seed per prompt, the same for every decoder and round), or None."""
+    import zlib
+
+    from export.sampling import Sampling
+
+    if SAMPLING is None:
+        return None
+    return Sampling(**SAMPLING, seed=zlib.crc32(json.dumps(list(ids)).encode()))
 
 
 def log(msg: str) -> None:
@@ -121,11 +138,12 @@ def _decode(generate, ids: list[int]) -> tuple[list[int], float, dict]:
 
 
 def decode_plain(runner, ids: list[int], eos: list[int]) -> tuple[list[int], float, dict]:
-    """Greedy decode; returns (tokens, decode seconds after the prefill, stats)."""
-    from export.runtime import greedy_generate
+    """Decode one token a call (greedy, or as ``SAMPLING`` says); returns (tokens, decode seconds after the
+    prefill, stats)."""
+    from export.runtime import generate_ids
 
     def generate(ids, on_token):
-        out = greedy_generate(runner, ids, MAX_NEW, eos_token_ids=eos, on_token=on_token)
+        out = generate_ids(runner, ids, MAX_NEW, sampling=sampling_for(ids), eos_token_ids=eos, on_token=on_token)
         return out, {"calls": max(len(out) - 1, 0)}
 
     return _decode(generate, ids)
@@ -135,7 +153,8 @@ def decode_speculative(runner, ids: list[int], eos: list[int], drafter=None) -> 
     from export.speculative import speculative_generate
 
     def generate(ids, on_token):
-        out, stats = speculative_generate(runner, ids, MAX_NEW, drafter=drafter, eos_token_ids=eos, on_token=on_token)
+        out, stats = speculative_generate(runner, ids, MAX_NEW, drafter=drafter, eos_token_ids=eos, on_token=on_token,
+                                          sampling=sampling_for(ids))
         return out, stats.as_dict()
 
     return _decode(generate, ids)
@@ -274,7 +293,18 @@ def main(argv=None) -> int:
     ap.add_argument("--pte", type=Path, help="time this program (it must carry verify; a draft method adds the draft "
                     "rows) instead of the example's")
     ap.add_argument("--onnx-dir", type=Path, help="time this ONNX export folder (exported with verify_tokens)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
     args = ap.parse_args(argv)
+    global SAMPLING
+    SAMPLING = None
+    if args.temperature:
+        from export.sampling import Sampling
+
+        SAMPLING = {"temperature": args.temperature, "top_p": args.top_p}
+        Sampling(**SAMPLING)  # refused here, before anything loads
+    elif args.top_p is not None:
+        ap.error("--top-p samples: give --temperature above 0 too")
     torch.set_num_threads(THREADS)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
@@ -293,7 +323,8 @@ def main(argv=None) -> int:
     encoded = {name: [encode(p) for p in prompts] for name, prompts in sets.items()}
     runtimes = ([] if args.no_executorch else [decoders_executorch]) + ([decoders_onnx] if args.onnx else [])
     lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, {THREADS} threads, {MAX_NEW} new tokens at most per prompt "
-             "(greedy, EOS stops), chat template; decode tok/s = generated tokens after the first / time from the first "
+             f"({'greedy' if SAMPLING is None else 'sampled: ' + json.dumps(SAMPLING) + ', a seed per prompt'}, EOS stops), "
+             "chat template; decode tok/s = generated tokens after the first / time from the first "
              f"token (the end of the prefill) to the last; {args.rounds} round-robin rounds, median; x plain, x peer = "
              "the ratio within each round, median.", ""]
     result, bad = {}, []
@@ -316,7 +347,8 @@ def main(argv=None) -> int:
     args.output.write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps(result, indent=1))
     if bad:
-        print(f"error: outputs differ from plain greedy decoding: {bad}", file=sys.stderr)
+        print(f"error: outputs differ from plain {'greedy decoding' if SAMPLING is None else 'sampling'}: {bad}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -13,6 +13,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from export.sampling import Sampling, TokenSampler
+
 
 class RunnerError(RuntimeError):
     """An artifact could not be loaded or run; the message names the file and the cause."""
@@ -207,14 +209,31 @@ def greedy_generate(
     Stops early on an EOS id or when the runner's ``max_seq_len`` is reached.
     ``on_token`` is called with each new id as it is produced (for streaming output).
     """
-    ids = checked_prompt(runner, prompt_ids, "greedy_generate")
+    return generate_ids(runner, prompt_ids, max_new_tokens, eos_token_ids=eos_token_ids, on_token=on_token)
+
+
+def generate_ids(
+    runner: Runner,
+    prompt_ids: Iterable[int] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    sampling: Sampling | None = None,
+    eos_token_ids: Iterable[int] = (),
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Decode ``max_new_tokens`` after ``prompt_ids``, greedily (``sampling`` None) or sampled
+    (:class:`export.sampling.Sampling`: one draw per token from its seed, so
+    :func:`export.speculative.speculative_generate` with the same ``sampling`` emits the same tokens);
+    returns only the new ids. Stops as :func:`greedy_generate` does."""
+    ids = checked_prompt(runner, prompt_ids, "greedy_generate" if sampling is None else "generate_ids")
+    choose = (lambda row: argmax_ids(row)[0]) if sampling is None else TokenSampler(sampling).choose
     eos = set(int(e) for e in eos_token_ids)
     limit = runner.max_seq_len
     runner.reset()
     logits = runner.forward(ids, all_logits=False)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        nxt = argmax_ids(logits[-1])[0]
+        nxt = choose(logits[-1])
         out.append(nxt)
         if on_token is not None:
             on_token(nxt)

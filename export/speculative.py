@@ -1,4 +1,4 @@
-"""Speculative greedy decoding: several tokens per read of the weights, the same tokens as plain greedy.
+"""Speculative decoding: several tokens per read of the weights, the same tokens as plain decoding.
 
 Decoding on a phone is bound by memory bandwidth: every step reads all the weights for one token.
 A drafter proposes ``k`` tokens, the target scores the last emitted token and the ``k`` drafts in
@@ -28,6 +28,13 @@ through the ordinary forward), so a prompt where drafts fail costs plain decodin
 dictionary lookup per token. A lookup proposal the policy declines is still checked against the
 tokens the target emits (free), so the policy notices when copying resumes; a draft model's source,
 whose proposals cost calls, gets a short paid probe now and then instead.
+
+Sampling (``sampling=``, :mod:`export.sampling`): the target's token at each position is drawn from
+its warped distribution by the inverse CDF of one uniform number per emitted token, and a draft token
+is kept when it is that token. For a deterministic draft that is the standard rejection rule (keep
+``x`` with probability ``p(x)``, else sample ``p`` without ``x``), so the output follows the target's
+distribution; and since the draws are taken in emitted order from one seeded stream, it is also plain
+sampling's output with the same seed, token for token.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 from export.draft_policy import PROBE_BACKOFF, TIMED_CALLS, DraftLength
 from export.drafters import MODEL_SOURCE, Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from export.runtime import Runner, RunnerError, argmax_ids, checked_prompt
+from export.sampling import Sampling, TokenSampler
 
 #: the drafters and the policy are imported from here by the API's users (this module predates the split)
 __all__ = ["MODEL_SOURCE", "PROBE_BACKOFF", "TIMED_CALLS", "DraftLength", "Drafter", "HybridDrafter", "ModelDrafter",
@@ -83,9 +91,14 @@ def speculative_generate(
     draft: DraftLength | None = None,
     eos_token_ids: Iterable[int] = (),
     on_token: Callable[[int], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> tuple[list[int], SpeculativeStats]:
     """Greedy decoding of ``max_new_tokens`` after ``prompt_ids`` with drafts verified in one call
     each; returns the new ids (exactly :func:`~export.runtime.greedy_generate`'s) and the stats.
+
+    With ``sampling`` the target's token at each position is sampled instead (:mod:`export.sampling`:
+    the standard rejection rule for a deterministic draft, one draw per emitted token), and the new
+    ids are exactly :func:`~export.runtime.generate_ids`' with the same ``sampling`` (its seed included).
 
     The runner must return every fed position's logits (``forward(..., all_logits=True)``) and cut
     its cache back exactly (``truncate``); a runner that cannot is refused with the reason. Without a
@@ -98,6 +111,7 @@ def speculative_generate(
     if draft is None:  # the runner's own policy, kept across generations: its call times are the program's
         draft = runner.draft_policy = runner.draft_policy or DraftLength()
     eos = {int(e) for e in eos_token_ids}
+    sampler = TokenSampler(sampling) if sampling is not None else None
     stats = SpeculativeStats()
     out: list[int] = []
     context = list(ids)
@@ -120,7 +134,7 @@ def speculative_generate(
     runner.reserve(min(need, limit) if limit is not None else need)
     runner.reset()
     logits = runner.forward(torch.tensor(ids, dtype=torch.long), all_logits=False)
-    nxt = argmax_ids(logits[-1])[0]
+    nxt = argmax_ids(logits[-1])[0] if sampler is None else sampler.choose(logits[-1])
     while emit(nxt):
         fed = runner.position
         room = max_new_tokens - len(out)  # drafts beyond the last token wanted are never kept
@@ -139,7 +153,9 @@ def speculative_generate(
             raise RunnerError(f"{runner.runtime} returned {logits.shape[0]} positions' logits for {feed.numel()} "
                               "tokens; speculative decoding needs every position's (an ExecuTorch program "
                               "exported with verify_tokens, through its speculative_runner())")
-        choice = argmax_ids(logits)  # not torch.argmax: its woken thread pool slows the next call (argmax_ids)
+        # not torch.argmax: its woken thread pool slows the next call (argmax_ids); sampled, the target's tokens
+        # up to the first that differs from the draft, a draw each (the rows after it are never emitted)
+        choice = argmax_ids(logits) if sampler is None else sampler.walk(logits, proposal)
         draft.timed(int(feed.numel()), time.perf_counter() - t0)
         accepted = 0
         while accepted < len(proposal) and proposal[accepted] == choice[accepted]:

@@ -218,11 +218,12 @@ def cmd_fit(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from optimize.generate import generate_from_artifact
+    from optimize.generate import generate_from_artifact, sampling_from
 
+    sampling = sampling_from(args.temperature, args.top_k, args.top_p, args.seed)
     generate_from_artifact(Path(args.artifact), args.prompt, max_new_tokens=args.max_new_tokens,
                            chat=args.chat, threads=args.threads, stream=sys.stdout, runner=args.runner,
-                           speculative=args.speculative)
+                           speculative=args.speculative, sampling=sampling)
     return 0
 
 
@@ -372,7 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
                    help="ngram: prompt-lookup drafts verified several tokens a call through the .pte's verify method "
                    "(export.executorch.verify_tokens); draft: the .pte's own draft model (the pipeline's draft block) "
-                   "where lookup finds nothing; either gives plain greedy's tokens (default off)")
+                   "where lookup finds nothing; either gives plain decoding's tokens (default off)")
+    s.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (default 0: greedy); with --speculative, the answer plain sampling "
+                   "gives with the same --seed (drafts kept by the standard rejection rule)")
+    s.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=None, help="sample from the fewest most likely tokens holding p")
+    s.add_argument("--seed", type=int, default=None, help="the sampling seed: the same seed, the same answer")
     s.set_defaults(fn=cmd_run)
 
     s = command("setup", help="install what a check needs beyond pip: `optimize setup arm64` builds the ARM64 "

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
-from export.runtime import RunnerError, greedy_generate
+from export.runtime import RunnerError, generate_ids
+from export.sampling import Sampling
 from export.speculative import HybridDrafter, ModelDrafter, speculative_generate
 from optimize.quiet import LogOutput, console
 
@@ -32,12 +33,26 @@ def _stderr(msg: str) -> None:
     print(msg, file=console(), flush=True)
 
 
+def sampling_from(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                  seed: int | None = None) -> Sampling | None:
+    """``optimize run``'s sampling flags as a :class:`~export.sampling.Sampling` (None: greedy, the
+    default); top-k, top-p or a seed without a temperature above 0 are refused rather than ignored."""
+    if temperature == 0:
+        given = [f for f, v in (("--top-k", top_k), ("--top-p", top_p), ("--seed", seed)) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape sampling, and --temperature is 0 (greedy decoding, the "
+                             "default): give a --temperature above 0 too, for example 0.7")
+        return None
+    return Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+
 def generate_from_artifact(
     artifact: Path, prompt: str, *, max_new_tokens: int = 64, chat: bool = False, threads: int | None = None,
     stream: TextIO | None | str = "stdout", runner: RunnerChoice = "auto",
     say: Callable[[str], None] | None = _stderr, speculative: SpeculativeChoice = "off",
+    sampling: Sampling | None = None,
 ) -> str:
-    """Greedy-generate from ``artifact`` (a .pte or .onnx with tokenizer files beside it),
+    """Generate from ``artifact`` (a .pte or .onnx with tokenizer files beside it), greedily unless ``sampling``,
     streaming text to ``stream`` as it is produced (``"stdout"``: the process's stdout at the call; None:
     nowhere); returns the generated text.
 
@@ -53,6 +68,11 @@ def generate_from_artifact(
     drafts' stats. It runs the Python loop (ExecuTorch's C++ runner decodes one token a call), so
     ``runner="llm"`` is refused with it.
 
+    ``sampling`` (:class:`~export.sampling.Sampling`) samples instead of decoding greedily, in the
+    Python loop, where a seed gives the same answer with or without ``speculative`` (drafts are kept
+    by the standard rejection rule). ``runner="llm"`` samples in ExecuTorch's C++ runner instead,
+    which takes a temperature only: top-k, top-p and a seed are refused there.
+
     What the native runtimes print themselves (ExecuTorch's cpuinfo lines on file descriptor 2, the
     C++ runner's newline on 1) never reaches the caller's streams: it is kept apart while they run
     and logged at INFO (``optimize -v run``), so the answer and its one timing line are all that shows."""
@@ -64,7 +84,8 @@ def generate_from_artifact(
     os.close(fd)
     try:
         with LogOutput(native_log):
-            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say, speculative)
+            return _generate(Path(artifact), prompt, max_new_tokens, chat, threads, stream, runner, say, speculative,
+                             sampling)
     finally:
         if stream is not None:
             try:
@@ -94,7 +115,7 @@ def _own_stdout(stream: TextIO) -> TextIO:
 
 def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, threads: int | None,
               stream: TextIO | None, runner: RunnerChoice, say: Callable[[str], None] | None,
-              speculative: SpeculativeChoice = "off") -> str:
+              speculative: SpeculativeChoice = "off", sampling: Sampling | None = None) -> str:
     from transformers import AutoTokenizer
 
     if not artifact.exists():  # a file, or an export directory its exporter recognises (onnxruntime-genai)
@@ -106,6 +127,14 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
     if speculative != "off" and runner == "llm":
         raise ValueError("--speculative decodes in the Python loop over the artifact's verify method; ExecuTorch's "
                          "C++ runner decodes one token a call (drop --runner llm, or use --speculative off)")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be an export.sampling.Sampling or None, got {type(sampling).__name__}")
+    if sampling is not None and runner == "llm":
+        extra = [f for f, v in (("--top-k", sampling.top_k), ("--top-p", sampling.top_p), ("--seed", sampling.seed))
+                 if v is not None]
+        if extra:
+            raise ValueError(f"--runner llm samples in ExecuTorch's C++ runner, which takes a temperature but no "
+                             f"{', '.join(extra)}: drop them, or use --runner python (the Python loop has them)")
     try:
         tok = AutoTokenizer.from_pretrained(artifact if artifact.is_dir() else artifact.parent, local_files_only=True)
     except Exception as exc:
@@ -143,8 +172,13 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
         drafter = HybridDrafter(ModelDrafter(loaded.draft_runner(), vocab_ids=loaded.draft_vocab))
     if speculative != "off":
         loaded = loaded.speculative_runner()  # refused here, before any decoding, where it has none
-    if runner != "python" and speculative == "off":
-        done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm")
+    if sampling is not None and runner == "auto" and hasattr(loaded, "llm_runner"):
+        log.info("sampling in the Python loop: ExecuTorch's C++ runner has no seed, top-k or top-p (--runner llm "
+                 "samples there with the temperature alone)")
+    if runner == "llm" or (runner == "auto" and speculative == "off" and sampling is None):
+        temperature = sampling.temperature if sampling is not None else 0.0
+        done = _generate_native(loaded, tok, text, ids, max_new_tokens, write, required=runner == "llm",
+                                temperature=temperature)
         if done is not None:
             answer, timing = done
             if stream is not None:
@@ -156,8 +190,9 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
     produced: list[int] = []
 
     def on_token(t: int) -> None:
-        # ``printed`` may already hold what the C++ runner streamed before it gave up; decoding is
-        # greedy, so the loop produces the same text and only what goes beyond it is written.
+        # ``printed`` may already hold what the C++ runner streamed before it gave up; it only gives up
+        # greedy (sampling there is --runner llm, which never falls back), so the loop produces the same
+        # text and only what goes beyond it is written.
         nonlocal printed
         produced.append(t)
         now = tok.decode(produced, skip_special_tokens=True)
@@ -167,7 +202,7 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             printed = now  # the decoded text changed under what was shown (a multi-byte character completed)
 
     if speculative == "off":
-        greedy_generate(loaded, ids, max_new_tokens, eos_token_ids=eos, on_token=on_token)
+        generate_ids(loaded, ids, max_new_tokens, sampling=sampling, eos_token_ids=eos, on_token=on_token)
         if stream is not None:
             stream.write("\n")
     else:
@@ -178,12 +213,12 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             on_token(t)
 
         _, stats = speculative_generate(loaded, ids, max_new_tokens, drafter=drafter, eos_token_ids=eos,
-                                        on_token=timed)
+                                        on_token=timed, sampling=sampling)
         if stream is not None:
             stream.write("\n")
             stream.flush()
         if say is not None:
-            say(speculative_line(stats, stamps, speculative))
+            say(speculative_line(stats, stamps, speculative if sampling is None else f"{speculative}, sampled"))
     return tok.decode(produced, skip_special_tokens=True)
 
 
@@ -201,7 +236,7 @@ def speculative_line(stats, stamps: list[float], mode: str = "ngram") -> str:
 
 
 def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int, write: Callable[[str], None], *,
-                     required: bool) -> tuple[str, str] | None:
+                     required: bool, temperature: float = 0.0) -> tuple[str, str] | None:
     """Generate with ExecuTorch's C++ runner: the answer and the runner's timing line; None (reason
     logged) where it cannot serve this artifact."""
     from export.executorch import LLMRunnerUnavailable
@@ -223,7 +258,7 @@ def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int
             if not held:
                 write(piece)
 
-        gen = llm.generate(prompt_text, max_new_tokens, num_bos=num_bos, on_piece=on_piece)
+        gen = llm.generate(prompt_text, max_new_tokens, num_bos=num_bos, on_piece=on_piece, temperature=temperature)
         if not (gen.stopped_at_eos and gen.ids and (gen.ids[-1] in eos or gen.ids[-1] is None)):
             write(held)
     except LLMRunnerUnavailable as exc:

@@ -233,9 +233,12 @@ class NativeLLMRunner:
 
     def generate(
         self, text: str, max_new_tokens: int, *, num_bos: int = 0, on_piece: Callable[[str], None] | None = None,
+        temperature: float = 0.0,
     ) -> Generation:
         """Greedy (temperature 0) from a clean cache: ``max_new_tokens`` tokens, fewer if an EOS id
-        comes first (the runner's own rule: the token from prefill is never EOS-checked)."""
+        comes first (the runner's own rule: the token from prefill is never EOS-checked). A
+        ``temperature`` above 0 samples with the runner's own sampler (unseeded: it has no seed,
+        top-k or top-p; ``export.sampling`` in the Python loop has them)."""
         from executorch.extension.llm.runner import GenerationConfig
 
         if max_new_tokens < 1:
@@ -248,7 +251,7 @@ class NativeLLMRunner:
             if on_piece is not None:
                 on_piece(piece)
 
-        cfg = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, temperature=0.0, warming=True,
+        cfg = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, temperature=float(temperature), warming=True,
                                num_bos=num_bos)
         self._runner.reset()
         with captured_stderr() as log, serial_torch():

@@ -37,3 +37,28 @@ def test_both_decoders_give_the_same_tokens(speculative, tiny_config):
     fast, fast_s, stats = speculative.decode_speculative(runner, ids, [])
     assert fast == plain and len(plain) == speculative.MAX_NEW
     assert plain_s > 0 and fast_s > 0 and stats["tokens"] == len(fast)
+
+
+def test_sampled_rows_share_the_prompts_seed(speculative, tiny_config):
+    """--temperature: plain and speculative decoders sample with the prompt's own seed, so their tokens are
+    equal (and not greedy's); a bad setting is refused before anything loads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from export.runtime import EagerRunner
+
+    cfg = dict(tiny_config("llama"), vocab_size=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).eval()
+    runner = EagerRunner(model)
+    ids = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(0)).tolist() * 2
+    greedy, _, _ = speculative.decode_plain(runner, ids, [])
+    speculative.SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+    try:
+        assert speculative.sampling_for(ids).seed == speculative.sampling_for(list(ids)).seed
+        plain, _, _ = speculative.decode_plain(runner, ids, [])
+        fast, _, _ = speculative.decode_speculative(runner, ids, [])
+        assert fast == plain != greedy
+    finally:
+        speculative.SAMPLING = None
+    with pytest.raises(ValueError, match="top_p must be in"):
+        speculative.main(["--temperature", "0.5", "--top-p", "2", "--no-executorch"])

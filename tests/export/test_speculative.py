@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.runtime import EagerRunner, RunnerError, greedy_generate
+from export.runtime import EagerRunner, RunnerError, generate_ids, greedy_generate
+from export.sampling import Sampling
 from export.speculative import DraftLength, NgramDrafter, SpeculativeStats, speculative_generate
 from tests.export.conftest import fixed_policy as _fixed
 
@@ -101,6 +102,25 @@ def test_the_same_tokens_as_plain_greedy(family_model, max_seq_len, max_new):
         total.tokens += stats.tokens
     # the drafts were used (not a vacuous equality): tiny random models repeat themselves
     assert total.accepted > 0 and total.tokens_per_call > 1.0, (family, total)
+
+
+def test_sampled_the_same_tokens_as_plain_sampling_with_the_seed(family_model):
+    """Sampled (export.sampling), speculative decoding emits exactly what plain sampling emits with the
+    same seed, to the end of a short cache and past EOS-free stops, with drafts both kept and cut back."""
+    family, model = family_model
+    runner = EagerRunner(model, max_seq_len=60)
+    drafted = accepted = 0
+    for seed, prompt in enumerate(_prompts() * 2):
+        s = Sampling(temperature=0.2, top_k=30, top_p=0.9, seed=seed)
+        plain = generate_ids(runner, prompt, 200, sampling=s)
+        fast, stats = speculative_generate(runner, prompt, 200, sampling=s, draft=_fixed(cost_per_token=0.05))
+        assert fast == plain, (family, seed)
+        assert len(plain) == 60 - len(prompt) + 1
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted, (family, accepted, drafted)
+    # a seed is a different answer (the draws matter), and greedy is not what sampling gave
+    assert generate_ids(runner, _prompts()[0], 20, sampling=Sampling(seed=1)) != generate_ids(
+        runner, _prompts()[0], 20, sampling=Sampling(seed=2))
 
 
 def test_stops_at_an_eos_id_like_plain_greedy(family_model):

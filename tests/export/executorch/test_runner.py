@@ -122,6 +122,32 @@ def test_optimize_run_speculative_gives_the_plain_answer(pte, capsys):
 
 
 @pytest.mark.slow
+def test_optimize_run_samples_the_seeds_answer_speculative_or_not(pte, capsys):
+    """--temperature/--seed: the Python loop's sampled answer is the same with --speculative ngram (the
+    standard rejection rule, one draw per token); --runner llm samples in the C++ runner with the
+    temperature alone, and refuses a seed in one line (exit 2)."""
+    from optimize.cli import main
+
+    prompt = PROMPT + " " + PROMPT
+    flags = ["--max-new-tokens", "20", "--temperature", "0.3", "--top-p", "0.9"]
+    answers = {}
+    for seed in ("1", "2"):
+        for mode in ("off", "ngram"):
+            assert main(["run", str(pte), "--prompt", prompt, *flags, "--seed", seed, "--speculative", mode]) == 0
+            out = capsys.readouterr()
+            answers[seed, mode] = out.out.strip()
+            assert ("[speculative ngram, sampled]" in out.err) == (mode == "ngram")
+        assert answers[seed, "off"] == answers[seed, "ngram"] and answers[seed, "off"]
+    assert answers["1", "off"] != answers["2", "off"]  # the seed chose the answer
+    assert main(["run", str(pte), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0.7",
+                 "--runner", "llm"]) == 0
+    out = capsys.readouterr()
+    assert "[ExecuTorch TextLLMRunner] prompt" in out.err and out.out.strip()
+    assert main(["run", str(pte), "--prompt", "hi", "--temperature", "0.7", "--seed", "1", "--runner", "llm"]) == 2
+    assert "no --seed: drop them, or use --runner python" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_pipeline_verification_reports_the_llm_runner(pte, tiny):
     """The export row's verification runs the .pte through the C++ runner too: its greedy tokens
     against the Python loop's and its own stats land in the row's details beside the loop's figures."""

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from export.executorch.runner import VERIFY_METHOD, ExecuTorchRunner
-from export.runtime import RunnerError, greedy_generate
+from export.runtime import RunnerError, generate_ids, greedy_generate
+from export.sampling import Sampling
 from export.speculative import DraftLength, speculative_generate
 from tests.export.conftest import assert_keeps_plain_greedy, real_text_prompts
 
@@ -68,6 +69,14 @@ def test_the_same_tokens_as_plain_greedy_of_the_same_program(small_vocab_pte):
         calls, after_prefill = calls + stats.calls, after_prefill + len(fast) - 1
     # drafts were verified, some kept and some cut back from the cache: fewer calls than tokens
     assert 0 < accepted < drafted and calls < after_prefill
+    # sampled: the tokens plain sampling draws with the same seed (export.sampling), to the end of the cache
+    drafted = accepted = 0
+    for seed, prompt in enumerate(_prompts() * 2):
+        s = Sampling(temperature=0.1, top_p=0.95, seed=seed)
+        fast, stats = speculative_generate(fast_runner, prompt, MAX_SEQ_LEN, sampling=s, draft=DraftLength(measure=False))
+        assert fast == generate_ids(plain_runner, prompt, MAX_SEQ_LEN, sampling=s), seed
+        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+    assert 0 < accepted < drafted
 
 
 @pytest.mark.minutes(0.6)

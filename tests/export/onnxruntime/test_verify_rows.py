@@ -13,7 +13,8 @@ import torch
 from export.onnxruntime.exporter import OnnxRuntimeExporter
 from export.onnxruntime.runner import OnnxRuntimeRunner
 from export.onnxruntime.verify_rows import VERIFY
-from export.runtime import RunnerError, greedy_generate
+from export.runtime import RunnerError, generate_ids, greedy_generate
+from export.sampling import Sampling
 from export.speculative import DraftLength, speculative_generate
 from tests.export.conftest import assert_keeps_plain_greedy, real_text_prompts
 
@@ -100,6 +101,15 @@ def test_speculative_decoding_keeps_plain_greedy_tokens(exports, key):
             assert len(plain) == 160 - len(prompt) + 1
             drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         assert accepted > 0 and drafted > 0, (name, key)
+        # sampled: the tokens plain sampling draws with the same seed (export.sampling), drafts kept
+        drafted = accepted = 0
+        for seed, prompt in enumerate(_prompts()):
+            s = Sampling(temperature=0.3, top_k=40, seed=seed)
+            got, stats = speculative_generate(fast, prompt, 60, sampling=s,
+                                              draft=DraftLength(measure=False, cost_per_token=0.05))
+            assert got == generate_ids(runner, prompt, 60, sampling=s), (name, key, seed)
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        assert accepted > 0, (name, key)
 
 
 def test_genai_sizes_its_buffer_to_the_generation(exports):
@@ -258,6 +268,11 @@ def test_optimize_run_decodes_an_onnx_export_speculatively(exports):
     assert generate_from_artifact(folder, prompt, max_new_tokens=24, stream=None, say=lines.append,
                                   speculative="ngram") == plain
     assert lines and lines[0].startswith("[speculative ngram]")
+    s = Sampling(temperature=0.5, top_k=20, seed=4)  # sampled: the seed's answer, drafts or not
+    sampled = generate_from_artifact(folder, prompt, max_new_tokens=24, stream=None, say=None, sampling=s)
+    assert sampled and sampled != plain
+    assert generate_from_artifact(folder, prompt, max_new_tokens=24, stream=None, say=None, sampling=s,
+                                  speculative="ngram") == sampled
     with pytest.raises(RunnerError, match="carry no draft model"):
         generate_from_artifact(folder, prompt, max_new_tokens=4, stream=None, speculative="draft")
 
