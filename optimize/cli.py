@@ -19,60 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 
-
-class _DropNoise(logging.Filter):
-    """Known-harmless third-party noise on CPU machines. Our own records always pass: a warning of
-    ours may quote a library's "Failed to load ..." (the C++ tokenizer's refusal does)."""
-
-    PATTERNS = ("Failed to load", "Enum subclass", "Detected no triton")
-    OURS = ("optimize", "export", "train", "targets")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name.partition(".")[0] in self.OURS:
-            return True
-        msg = record.getMessage()
-        return not any(p in msg for p in self.PATTERNS)
-
-
-def _quiet_third_party() -> None:
-    """Drop torchao's CUDA-extension load failures and triton notes, and pytree deprecations.
-    Filters go on the root handlers: records propagated from child loggers skip logger filters."""
-    warnings.filterwarnings("ignore", message=".*Enum subclass.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, _DropNoise) for f in handler.filters):
-            handler.addFilter(_DropNoise())
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-class _CurrentStderr(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at each record, so ``main()`` called twice in one
-    process (tests, notebooks) never writes to a stream an earlier caller closed."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
-def _setup_logging(verbose: bool) -> None:
-    root = logging.getLogger()
-    if not any(isinstance(h, _CurrentStderr) for h in root.handlers):
-        handler = _CurrentStderr()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(logging.INFO if verbose else logging.WARNING)
+from optimize.quiet import quiet_third_party, setup_cli_logging
 
 
 class _IntermixedParser(argparse.ArgumentParser):
@@ -437,9 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     # before torch loads: MKL stays serial on ExecuTorch's workers, eager torch keeps its threads
     blas_threads.apply(blas_threads.serial_mkl_env())
     args = build_parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_cli_logging(args.verbose)
     if not args.verbose:
-        _quiet_third_party()
+        quiet_third_party()
     try:
         return args.fn(args)
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ import ctypes
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import TextIO
 
@@ -191,4 +192,57 @@ class LogOutput:
             self.file.write(line if line.endswith("\n") else line + "\n")
 
 
-__all__ = ["LogOutput", "console"]
+# -- the CLI's own logging (optimize.cli): our records on stderr, known library noise dropped --
+
+
+class DropNoise(logging.Filter):
+    """Known-harmless third-party noise on CPU machines. Our own records always pass: a warning of
+    ours may quote a library's "Failed to load ..." (the C++ tokenizer's refusal does)."""
+
+    PATTERNS = ("Failed to load", "Enum subclass", "Detected no triton")
+    OURS = ("optimize", "export", "train", "targets")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.partition(".")[0] in self.OURS:
+            return True
+        msg = record.getMessage()
+        return not any(p in msg for p in self.PATTERNS)
+
+
+def quiet_third_party() -> None:
+    """Drop torchao's CUDA-extension load failures and triton notes, and pytree deprecations.
+    Filters go on the root handlers: records propagated from child loggers skip logger filters."""
+    warnings.filterwarnings("ignore", message=".*Enum subclass.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, DropNoise) for f in handler.filters):
+            handler.addFilter(DropNoise())
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record, so ``main()`` called twice in one
+    process (tests, notebooks) never writes to a stream an earlier caller closed."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def setup_cli_logging(verbose: bool) -> None:
+    """The CLI's log lines on stderr (INFO with ``-v``, else WARNING and above)."""
+    root = logging.getLogger()
+    if not any(isinstance(h, CurrentStderr) for h in root.handlers):
+        handler = CurrentStderr()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+__all__ = ["CurrentStderr", "DropNoise", "LogOutput", "console", "quiet_third_party", "setup_cli_logging"]

@@ -308,12 +308,12 @@ def test_pipeline_progress_flag_bars_on_a_terminal_messages_only_otherwise(tiny_
 def test_noise_filter_drops_library_chatter_but_never_our_own_warnings():
     """A warning of ours that quotes a library's "Failed to load ..." reaches the user (the C++
     tokenizer's refusal, in the runner fallback's warning, was dropped with torchao's noise)."""
-    from optimize.cli import _DropNoise
+    from optimize.quiet import DropNoise
 
     def record(name, msg):
         return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, None, None)
 
-    noise = _DropNoise()
+    noise = DropNoise()
     assert not noise.filter(record("torchao", "Failed to load /x/_C.so: undefined symbol"))
     assert noise.filter(record("torchao", "something else"))
     assert noise.filter(record("optimize.generate", "using the Python loop instead: Failed to load tokenizer"))
