@@ -53,19 +53,19 @@ import torch  # noqa: E402
 THREADS = 2
 MAX_NEW = 96
 VERIFY_TOKENS = 5  # drafts of up to 4 tokens: a call pays for its rows, repeats included (docs/executorch.md)
-#: --temperature / --top-p: how every decoder samples (None: greedy); each prompt's seed comes from its ids
-SAMPLING: dict | None = None
+#: --temperature / --top-p: how every decoder samples (an export.sampling.Sampling; None: greedy); each
+#: prompt's seed comes from its ids
+SAMPLING = None
 
 
 def sampling_for(ids: list[int]):
     """The prompt's ``Sampling`` (one seed per prompt, the same for every decoder and round), or None."""
+    import dataclasses
     import zlib
-
-    from export.sampling import Sampling
 
     if SAMPLING is None:
         return None
-    return Sampling(**SAMPLING, seed=zlib.crc32(json.dumps(list(ids)).encode()))
+    return dataclasses.replace(SAMPLING, seed=zlib.crc32(json.dumps(list(ids)).encode()))
 
 
 def log(msg: str) -> None:
@@ -296,15 +296,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
     ap.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
     args = ap.parse_args(argv)
-    global SAMPLING
-    SAMPLING = None
-    if args.temperature:
-        from export.sampling import Sampling
+    from optimize.generate import sampling_from
 
-        SAMPLING = {"temperature": args.temperature, "top_p": args.top_p}
-        Sampling(**SAMPLING)  # refused here, before anything loads
-    elif args.top_p is not None:
-        ap.error("--top-p samples: give --temperature above 0 too")
+    global SAMPLING
+    SAMPLING = sampling_from(args.temperature, top_p=args.top_p)  # refused here, before anything loads
     torch.set_num_threads(THREADS)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
 
@@ -323,7 +318,7 @@ def main(argv=None) -> int:
     encoded = {name: [encode(p) for p in prompts] for name, prompts in sets.items()}
     runtimes = ([] if args.no_executorch else [decoders_executorch]) + ([decoders_onnx] if args.onnx else [])
     lines = [f"bench/speculative.py: SmolLM2-135M-Instruct, {THREADS} threads, {MAX_NEW} new tokens at most per prompt "
-             f"({'greedy' if SAMPLING is None else 'sampled: ' + json.dumps(SAMPLING) + ', a seed per prompt'}, EOS stops), "
+             f"({'greedy' if SAMPLING is None else f'sampled: temperature {SAMPLING.temperature}, top-p {SAMPLING.top_p}, a seed per prompt'}, EOS stops), "
              "chat template; decode tok/s = generated tokens after the first / time from the first "
              f"token (the end of the prefill) to the last; {args.rounds} round-robin rounds, median; x plain, x peer = "
              "the ratio within each round, median.", ""]

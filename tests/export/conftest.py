@@ -126,3 +126,37 @@ def fixed_policy(**kw):
     from export.draft_policy import DraftLength
 
     return DraftLength(measure=False, **kw)
+
+
+def scripted_runner(logits_after):
+    """A runner whose logits for each fed token are ``logits_after(history)`` (every token fed so far,
+    that one last): every position's logits, a KV "cache" that is the history, cut back exactly. For
+    the decoding loops' tests, where the model's answer must be known in closed form."""
+    import torch
+
+    from export.runtime import EagerRunner
+
+    class Scripted(EagerRunner):
+        def __init__(self):
+            super().__init__(torch.nn.Identity())
+            self.ids: list[int] = []
+
+        def reset(self):
+            super().reset()
+            self.ids = []
+
+        def forward(self, ids, *, all_logits=True):
+            rows = []
+            for t in torch.as_tensor(ids).reshape(-1).tolist():
+                self.ids.append(t)
+                self._pos += 1
+                rows.append(logits_after(self.ids))
+            logits = torch.stack(rows)
+            return logits if all_logits else logits[-1:]
+
+        def truncate(self, n):
+            del self.ids[n:]
+            self._pos = n
+            return True
+
+    return Scripted()

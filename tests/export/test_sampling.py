@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from export.runtime import EagerRunner, generate_ids
+from export.runtime import generate_ids
 from export.sampling import CANDIDATE_WEIGHT, Sampling, TokenSampler
 from export.speculative import NgramDrafter, speculative_generate
-from tests.export.conftest import fixed_policy
+from tests.export.conftest import fixed_policy, scripted_runner
 
 
 def _reference(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -96,32 +96,10 @@ VOCAB = 6
 TABLE = torch.randn(VOCAB, VOCAB, VOCAB, generator=torch.Generator().manual_seed(0)) * 1.5
 
 
-class _Markov(EagerRunner):
+def _markov():
     """A model whose next-token logits depend on the last two tokens (every position's logits, exact
     cut-back): its exact distribution over continuations is a product of table rows."""
-
-    def __init__(self):
-        super().__init__(torch.nn.Identity())
-        self.ids: list[int] = []
-
-    def reset(self):
-        super().reset()
-        self.ids = []
-
-    def forward(self, ids, *, all_logits=True):
-        fed = torch.as_tensor(ids).reshape(-1).tolist()
-        rows = []
-        for t in fed:
-            self.ids.append(t)
-            rows.append(TABLE[self.ids[-2] if len(self.ids) > 1 else 0, self.ids[-1]])
-        self._pos += len(fed)
-        logits = torch.stack(rows)
-        return logits if all_logits else logits[-1:]
-
-    def truncate(self, n):
-        del self.ids[n:]
-        self._pos = n
-        return True
+    return scripted_runner(lambda history: TABLE[history[-2] if len(history) > 1 else 0, history[-1]])
 
 
 class _Guessing:
@@ -167,7 +145,7 @@ def test_speculative_sampling_follows_the_target_distribution(kw, monkeypatch):
     continuations' frequencies fit the exact distribution (p > 0.001), every seed's tokens are plain
     sampling's, and drafts were both kept and rejected. The control: accepting a draft whenever the
     target gives it at least 0.25 fails the same test (p < 1e-6), so the test can tell."""
-    runner, prompt, n, seeds = _Markov(), [0, 1, 2, 0, 1, 2, 0, 1], 3, 6000
+    runner, prompt, n, seeds = _markov(), [0, 1, 2, 0, 1, 2, 0, 1], 3, 6000
     s0 = Sampling(**kw)
     exact = _exact(prompt, n, s0)
     counts: dict = {}

@@ -13,7 +13,7 @@ import torch
 from export.runtime import EagerRunner, RunnerError, generate_ids, greedy_generate
 from export.sampling import Sampling
 from export.speculative import DraftLength, NgramDrafter, SpeculativeStats, speculative_generate
-from tests.export.conftest import fixed_policy as _fixed
+from tests.export.conftest import fixed_policy as _fixed, scripted_runner
 
 
 class _Declining(NgramDrafter):
@@ -29,34 +29,15 @@ class _Declining(NgramDrafter):
         return proposal, source
 
 
-class _Counting(EagerRunner):
+def _counting():
     """A model that always says "the last token plus one" (every position's logits; exact cut-back)."""
-
-    def __init__(self):
-        super().__init__(torch.nn.Identity())
-        self.ids: list[int] = []
-
-    def reset(self):
-        super().reset()
-        self.ids = []
-
-    def forward(self, ids, *, all_logits=True):
-        ids = torch.as_tensor(ids).reshape(-1).tolist()
-        self.ids += ids
-        self._pos += len(ids)
-        logits = torch.nn.functional.one_hot((torch.tensor(ids) + 1) % 64, 64).float()
-        return logits if all_logits else logits[-1:]
-
-    def truncate(self, n):
-        del self.ids[n:]
-        self._pos = n
-        return True
+    return scripted_runner(lambda history: torch.nn.functional.one_hot(torch.tensor((history[-1] + 1) % 64), 64).float())
 
 
 def test_the_loop_feeds_declined_proposals_back_to_the_policy():
     """With acceptance far too low to draft, an answer that copies the prompt is found by the free checks:
     the policy drafts again within the generation, and the output stays plain greedy's."""
-    runner, prompt = _Counting(), [*range(40), 0, 1, 2]  # the answer counts on: 3, 4, 5, ... as the prompt did
+    runner, prompt = _counting(), [*range(40), 0, 1, 2]  # the answer counts on: 3, 4, 5, ... as the prompt did
     policy = _fixed(prior_acceptance=0.02, cost_per_token=0.05, probe_every=10_000)
     drafter = _Declining()
     out, stats = speculative_generate(runner, prompt, 30, drafter=drafter, draft=policy)
