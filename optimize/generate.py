@@ -20,6 +20,7 @@ from export.base import exporter_for_artifact
 from export.runtime import RunnerError, generate_ids
 from export.sampling import Sampling
 from export.speculative import HybridDrafter, ModelDrafter, speculative_generate
+from export.text_stream import TextStream
 from optimize.quiet import LogOutput, console
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,9 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
         if extra:
             raise ValueError(f"--runner llm samples in ExecuTorch's C++ runner, which takes a temperature but no "
                              f"{', '.join(extra)}: drop them, or use --runner python (the Python loop has them)")
+        if sampling.temperature > 1:
+            raise ValueError(f"--runner llm samples in ExecuTorch's C++ runner, which takes a temperature in (0, 1], got "
+                             f"{sampling.temperature:g}: use --runner python for a higher one")
     try:
         tok = AutoTokenizer.from_pretrained(artifact if artifact.is_dir() else artifact.parent, local_files_only=True)
     except Exception as exc:
@@ -187,22 +191,24 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
             if say is not None:
                 say(timing)
             return answer
-    produced: list[int] = []
+    # what the C++ runner showed before it gave up (it only gives up greedy: sampling there is --runner llm, which
+    # never falls back), the loop produces again: only what goes beyond it is written
+    skip = len(printed)
+
+    def write_beyond(piece: str) -> None:
+        nonlocal skip
+        cut = min(skip, len(piece))
+        skip -= cut
+        write(piece[cut:])
+
+    text_out = TextStream(tok, write_beyond)
 
     def on_token(t: int) -> None:
-        # ``printed`` may already hold what the C++ runner streamed before it gave up; it only gives up
-        # greedy (sampling there is --runner llm, which never falls back), so the loop produces the same
-        # text and only what goes beyond it is written.
-        nonlocal printed
-        produced.append(t)
-        now = tok.decode(produced, skip_special_tokens=True)
-        if now.startswith(printed):
-            write(now[len(printed):])
-        elif not printed.startswith(now):
-            printed = now  # the decoded text changed under what was shown (a multi-byte character completed)
+        text_out.push(t)
 
     if speculative == "off":
         generate_ids(loaded, ids, max_new_tokens, sampling=sampling, eos_token_ids=eos, on_token=on_token)
+        answer = text_out.finish()
         if stream is not None:
             stream.write("\n")
     else:
@@ -214,12 +220,13 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
 
         _, stats = speculative_generate(loaded, ids, max_new_tokens, drafter=drafter, eos_token_ids=eos,
                                         on_token=timed, sampling=sampling)
+        answer = text_out.finish()
         if stream is not None:
             stream.write("\n")
             stream.flush()
         if say is not None:
             say(speculative_line(stats, stamps, speculative if sampling is None else f"{speculative}, sampled"))
-    return tok.decode(produced, skip_special_tokens=True)
+    return answer
 
 
 def speculative_line(stats, stamps: list[float], mode: str = "ngram") -> str:
@@ -248,19 +255,20 @@ def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int
     try:
         llm = loaded.llm_runner()
         prompt_text, num_bos = llm.prompt_for(tok, ids, text=text)
-        eos = llm.eos_ids
-        held = ""  # a piece that may be the final EOS is shown only once another piece follows it
+        text_out = TextStream(tok, write)
+        held = False  # a piece several ids give (a special token) holds the stream until the end resolves it
 
-        def on_piece(piece: str) -> None:
+        def on_id(i: int | None) -> None:
             nonlocal held
-            write(held)
-            held = piece if llm.may_be_eos(piece) else ""
+            held = held or i is None
             if not held:
-                write(piece)
+                text_out.push(i)
 
-        gen = llm.generate(prompt_text, max_new_tokens, num_bos=num_bos, on_piece=on_piece, temperature=temperature)
-        if not (gen.stopped_at_eos and gen.ids and (gen.ids[-1] in eos or gen.ids[-1] is None)):
-            write(held)
+        gen = llm.generate(prompt_text, max_new_tokens, num_bos=num_bos, on_id=on_id, temperature=temperature)
+        for i in gen.ids[len(text_out.ids):]:
+            if i is not None:
+                text_out.push(i)
+        answer = text_out.finish()
     except LLMRunnerUnavailable as exc:
         if required:
             raise RunnerError(f"ExecuTorch's C++ LLM runner cannot run {loaded.path.name}: {exc}") from None
@@ -270,8 +278,6 @@ def _generate_native(loaded, tok, text: str, ids: list[int], max_new_tokens: int
     timing = (f"[ExecuTorch TextLLMRunner] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_ms']:.0f} ms, "
               f"decode {_rate(s['decode_tok_s'])} tok/s over {s['generated_tokens']} tokens, "
               f"first token {s['ttft_ms']:.0f} ms")
-    answer = (tok.decode([i for i in gen.ids if i is not None], skip_special_tokens=True) if None not in gen.ids
-              else gen.text)
     return answer, timing
 
 

@@ -101,6 +101,36 @@ def pytest_collection_modifyitems(config, items):
     items[:] = out + left
 
 
+def _seed_all(key: str) -> None:
+    import random
+    import zlib
+
+    import numpy as np
+
+    seed = zlib.crc32(key.encode())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Each fixture starts from random states fixed by its name and the node it is made for (a module-scoped
+    fixture: its module), whatever ran before it on the worker.
+
+    Why: tests and fixtures that draw from the global generators (``torch.randn(...)`` without a
+    generator, a model's random init) would otherwise draw whatever state the tests before them left,
+    which depends on which worker took which test (xdist's work stealing): a tolerance met by one draw
+    and missed by another would pass or fail by chance. See also :func:`pytest_runtest_call`."""
+    _seed_all(f"{request.node.nodeid}::{fixturedef.argname}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """Each test's body starts from random states fixed by its own id (``pytest_fixture_setup``'s reason)."""
+    _seed_all(item.nodeid)
+
+
 #: the suite's budget on the 2-core CI host, install included (``make test``; docs/architecture.md, "Tests")
 BUDGET_MINUTES = 40
 #: a test longer than this carries ``@pytest.mark.minutes(n)`` (the summary names any that does not)

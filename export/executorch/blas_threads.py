@@ -12,28 +12,34 @@ then splits each small attention GEMM against XNNPACK's own threads. SmolLM2-135
 leaves it; 79 ms and 225-228 tok/s with both fixes below (3.3x decode). An app that links
 ExecuTorch without libtorch has no MKL and none of this.
 
+Threaded MKL there is also not repeatable: two greedy decodes of the demo's ``.pte`` in one process,
+``MKL_NUM_THREADS`` unset, diverged at token 23 of 96 (2026-12-07), as the attention's sums were
+split differently from call to call.
+
 What:
 
+* :func:`serial_torch` runs each ExecuTorch call with MKL at one thread everywhere: the calling
+  thread drops to one intra-op thread (``torch.set_num_threads``, which MKL reads there), and MKL's
+  process-wide default, which ExecuTorch's workers read, is set to one through the setter libtorch
+  exports (:class:`ProcessMkl`); both are restored after the call, so eager work between calls
+  keeps its threads. This needs nothing from the environment: an embedded user who imported torch
+  first gets the same tokens every time. Where torch has MKL but no setter can be found (another
+  build), :func:`require_serial_mkl` refuses the program in one line unless ``MKL_NUM_THREADS=1``.
 * :func:`serial_mkl_env` sets ``MKL_NUM_THREADS=1`` unless the user set it, before torch loads,
   and says how many threads eager torch should keep; :func:`apply` gives them back to the main
   thread with ``torch.set_num_threads`` (torch would otherwise take ``MKL_NUM_THREADS`` as its own
-  default and run eager single-threaded). Entry points call both: the CLI, the benchmarks, the
-  tests' conftest. A library user who imports torch first gets :func:`warn_if_threaded`'s
-  warning when a program with the custom ops loads.
-* :func:`serial_torch` drops the calling thread to one intra-op thread around each ExecuTorch
-  call (the runners use it) and restores it after, so eager work between calls keeps its threads.
+  default and run eager single-threaded). The CLI and the benchmarks call both, which also keeps
+  eager torch's other threads off MKL's pool.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import ctypes
+import functools
 import os
+import threading
 from typing import Iterator, MutableMapping
-
-log = logging.getLogger(__name__)
-
-_warned = False
 
 
 def _cpus() -> int:
@@ -68,24 +74,66 @@ def apply(threads: int | None) -> None:
         torch.set_num_threads(int(threads))
 
 
-def warn_if_threaded() -> bool:
-    """Log once when MKL may thread inside ExecuTorch's custom ops (neither ``MKL_NUM_THREADS`` nor
-    ``OMP_NUM_THREADS`` is 1). Returns whether it warned."""
-    global _warned
-    if _warned or "1" in (os.environ.get("MKL_NUM_THREADS"), os.environ.get("OMP_NUM_THREADS")):
-        return False
-    _warned = True
-    log.warning(
-        "MKL_NUM_THREADS is not 1: llama::custom_sdpa's BLAS (libtorch's MKL) may thread on ExecuTorch's "
-        "workers and make decode up to 3x slower. Set MKL_NUM_THREADS=1 before importing torch (the "
-        "optimize CLI does this itself)."
-    )
-    return True
+class ProcessMkl:
+    """MKL's process-wide thread count, which a thread without a count of its own (ExecuTorch's workers) uses.
+
+    torch links MKL statically and exports its service setter (``mkl_serv_set_num_threads``, what MKL's
+    ``mkl_set_num_threads`` calls); ``mkl_get_max_threads`` read on a new thread gives the default."""
+
+    def __init__(self, setter, getter):
+        self._set, self._get = setter, getter
+        self.default = self._read_default()
+
+    def _read_default(self) -> int:
+        out: list[int] = []
+        t = threading.Thread(target=lambda: out.append(int(self._get())))
+        t.start()
+        t.join()
+        return out[0]
+
+    def set(self, n: int) -> None:
+        self._set(int(n))
+
+
+@functools.lru_cache(maxsize=1)
+def process_mkl() -> ProcessMkl | None:
+    """The MKL that libtorch carries, or None where torch was built without MKL or exports no setter."""
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        return None
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = os.path.join(lib_dir, name)
+        if not os.path.exists(path):
+            continue
+        lib = ctypes.CDLL(path)
+        for set_name in ("mkl_serv_set_num_threads", "MKL_Set_Num_Threads"):
+            setter, getter = getattr(lib, set_name, None), getattr(lib, "mkl_get_max_threads", None)
+            if setter is not None and getter is not None:
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                getter.argtypes, getter.restype = [], ctypes.c_int
+                return ProcessMkl(setter, getter)
+    return None
+
+
+def require_serial_mkl() -> None:
+    """Refuse, in one line, a process where MKL may thread inside ExecuTorch's custom ops and cannot be made
+    serial at run time (a torch with MKL but no setter found) and ``MKL_NUM_THREADS`` is not 1."""
+    import torch
+
+    if (torch.backends.mkl.is_available() and process_mkl() is None
+            and os.environ.get("MKL_NUM_THREADS") != "1"):
+        from export.runtime import RunnerError
+
+        raise RunnerError("this torch build's MKL exposes no thread setter, and threaded MKL inside llama::custom_sdpa "
+                          "makes decoding unrepeatable: set MKL_NUM_THREADS=1 before importing torch")
 
 
 @contextlib.contextmanager
 def serial_torch() -> Iterator[None]:
-    """Run ExecuTorch with libtorch at one intra-op thread on the calling thread, then restore it.
+    """Run ExecuTorch with libtorch at one intra-op thread on the calling thread and MKL at one thread on every
+    thread, then restore both.
 
     The calling thread takes a share of ``llama::custom_sdpa``'s parallel work, and there MKL uses
     the thread's own setting (``torch.set_num_threads``): at 2 it threads each small attention GEMM
@@ -96,11 +144,17 @@ def serial_torch() -> Iterator[None]:
     import torch
 
     n = torch.get_num_threads()
-    if n == 1:
+    mkl = process_mkl()
+    mkl = mkl if mkl is not None and mkl.default != 1 else None
+    if n == 1 and mkl is None:
         yield
         return
     torch.set_num_threads(1)
+    if mkl is not None:
+        mkl.set(1)
     try:
         yield
     finally:
+        if mkl is not None:
+            mkl.set(mkl.default)
         torch.set_num_threads(n)

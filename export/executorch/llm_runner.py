@@ -8,11 +8,18 @@ and reports its own :class:`Stats`. It needs from the program: ``get_max_seq_len
 ``forward(tokens[1, T], input_pos)`` whose second input is either a range of positions or the
 start position (it reads the input's size to tell).
 
-Four sharp edges this module owns:
+The sharp edges this module owns:
 
-- the runner hands back decoded *text pieces*, not token ids. Ids are recovered through the same
-  C++ tokenizer's decode table; a piece several ids decode to (special tokens decode to '') is
-  ``None`` unless it is the EOS that ended generation;
+- the runner hands back decoded *text pieces*, not token ids, and its Python binding turns each
+  piece into a ``str``: a piece that is part of a character (a byte-level BPE writes "わ" as two
+  tokens, the first two of its three UTF-8 bytes and the last) raises ``UnicodeDecodeError`` inside
+  the runner and ends the generation. So the runner is given a copy of the tokenizer without its
+  decoder (:func:`piece_tokenizer`): the same encoding, and a piece that is the token's own
+  spelling in the vocabulary ("ãĤ", "<0xE3>"), always valid UTF-8 and one token's alone. Ids are
+  recovered from the pieces through that tokenizer's decode table, exactly; only a piece several
+  ids give (special tokens) is ``None``, unless it is the EOS that ended generation. Text is the
+  original tokenizer's decode of the ids (:meth:`NativeLLMRunner.decode`), streamed whole by
+  :class:`export.text_stream.TextStream`;
 - the C++ tokenizer may not encode a prompt as transformers does (BOS handling, special tokens):
   :meth:`NativeLLMRunner.prompt_for` finds the text/BOS setting that gives the same ids, or says
   why none does;
@@ -22,9 +29,7 @@ Four sharp edges this module owns:
   newline when it stops at EOS; C stdio is flushed right after, so it lands where it belongs;
 - its limits differ from the Python loop's at the edges: it stops when prompt + new tokens reach
   ``max_context_len`` (the loop would predict one more from the full cache), and it never
-  EOS-checks the token that comes out of prefill;
-- a piece that is not valid UTF-8 on its own (half of a multi-byte character) cannot cross into
-  Python: the runner raises, and callers fall back to the Python loop.
+  EOS-checks the token that comes out of prefill.
 """
 
 from __future__ import annotations
@@ -128,17 +133,37 @@ def median_stats(runs: list[dict]) -> dict:
 
 @dataclass
 class Generation:
-    """One run of the C++ runner: recovered ids (None where a piece is ambiguous), text, stats."""
+    """One run of the C++ runner: recovered ids (None where a piece is ambiguous), the pieces it streamed
+    (each token's spelling in the vocabulary), the text (the tokenizer's decode of the ids, special tokens
+    written out), stats."""
 
     ids: list[int | None]
     pieces: list[str]
     stats: dict
     stopped_at_eos: bool = False
     prompt_ids: list[int] = field(default_factory=list)
+    text: str = ""
 
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
+
+def piece_tokenizer(tokenizer: Path, out: Path) -> Path:
+    """``out``/tokenizer.json: the tokenizer ``tokenizer`` (a ``tokenizer.json``, or a SentencePiece
+    ``tokenizer.model`` that transformers converts) without its decoder, so the C++ runner streams each
+    token's spelling in the vocabulary, valid UTF-8, and encodes exactly as before."""
+    if tokenizer.suffix == ".json":
+        data = json.loads(tokenizer.read_text(encoding="utf-8"))
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            fast = AutoTokenizer.from_pretrained(tokenizer.parent, local_files_only=True)
+            data = json.loads(fast.backend_tokenizer.to_str())
+        except Exception as exc:
+            raise LLMRunnerUnavailable(f"{tokenizer.name} has no tokenizer.json beside it and transformers could "
+                                       f"not convert it ({type(exc).__name__}: {exc})") from None
+    data["decoder"] = None
+    path = Path(out) / "tokenizer.json"
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return path
 
 
 class NativeLLMRunner:
@@ -149,12 +174,18 @@ class NativeLLMRunner:
         from executorch.extension.llm.runner import TextLLMRunner
 
         self.pte, self.tokenizer_path = Path(pte), Path(tokenizer)
-        self._tok = _load_cpp_tokenizer(self.tokenizer_path)
-        with captured_stderr() as log:
-            try:
-                self._runner = TextLLMRunner(str(self.pte), str(self.tokenizer_path))
-            except Exception as exc:
-                raise LLMRunnerUnavailable(f"TextLLMRunner could not load {self.pte.name}: {exc} ({_log_tail(log())})") from None
+        # the original decodes text; the runner and the piece index read the copy without a decoder, which both
+        # load in their constructors
+        self._text_tok = _text_tokenizer(self.tokenizer_path)
+        with tempfile.TemporaryDirectory(prefix="optimize-llm-tokenizer-") as tmp:
+            pieces = piece_tokenizer(self.tokenizer_path, Path(tmp))
+            self._tok = _load_cpp_tokenizer(pieces)  # refuses what the C++ tokenizer cannot read (a Lowercase normalizer)
+            with captured_stderr() as log:
+                try:
+                    self._runner = TextLLMRunner(str(self.pte), str(pieces))
+                except Exception as exc:
+                    raise LLMRunnerUnavailable(f"TextLLMRunner could not load {self.pte.name}: {exc} "
+                                               f"({_log_tail(log())})") from None
         self.eos_ids = {int(e) for e in eos_ids if int(e) >= 0}
         self.max_context_len = max_context_len
         self._pieces: dict[str, list[int]] | None = None
@@ -163,6 +194,10 @@ class NativeLLMRunner:
 
     def encode(self, text: str, num_bos: int = 0) -> list[int]:
         return [int(i) for i in self._tok.encode(text, num_bos, 0)]
+
+    def decode(self, ids: Sequence[int | None], skip_special_tokens: bool = False) -> str:
+        """The text of ``ids`` as the tokenizer beside the program decodes it (None ids left out)."""
+        return self._text_tok.decode([int(i) for i in ids if i is not None], skip_special_tokens=skip_special_tokens)
 
     def prompt_for(self, hf_tokenizer, ids: Sequence[int], *, text: str | None = None,
                    strict: bool = True) -> tuple[str, int]:
@@ -195,13 +230,10 @@ class NativeLLMRunner:
         if self._pieces is None:
             index: dict[str, list[int]] = {}
             for i in range(int(self._tok.vocab_size())):
-                try:
-                    index.setdefault(self._tok.decode(i, i), []).append(i)
-                except Exception:  # a byte fragment that is not UTF-8 on its own
-                    continue
+                index.setdefault(self._tok.decode(i, i), []).append(i)
             # the runner streams an added special token (a chat model's <|im_end|>) as its literal text,
             # which the tokenizer's own decode does not give back: without these, the EOS that ends a
-            # chat answer would be shown as text
+            # chat answer could not be told from other special tokens
             for text, i in _added_tokens(self.tokenizer_path).items():
                 if i not in index.get(text, []):
                     index.setdefault(text, []).append(i)
@@ -213,10 +245,6 @@ class NativeLLMRunner:
         if len(cands) > 1 and prev is not None:
             cands = [c for c in cands if self._tok.decode(prev, c) == piece] or cands
         return cands
-
-    def may_be_eos(self, piece: str) -> bool:
-        """Whether an EOS id decodes to ``piece`` (so a streamed piece may be the end marker)."""
-        return any(c in self.eos_ids for c in self._piece_index().get(piece, []))
 
     def _resolve_ids(self, pieces: list[str], ended_early: bool) -> list[int | None]:
         """Token ids for the pieces; where several ids give a piece, the EOS that ended generation
@@ -232,24 +260,29 @@ class NativeLLMRunner:
     # -- generation --------------------------------------------------------------------------
 
     def generate(
-        self, text: str, max_new_tokens: int, *, num_bos: int = 0, on_piece: Callable[[str], None] | None = None,
+        self, text: str, max_new_tokens: int, *, num_bos: int = 0, on_id: Callable[[int | None], None] | None = None,
         temperature: float = 0.0,
     ) -> Generation:
         """Greedy (temperature 0) from a clean cache: ``max_new_tokens`` tokens, fewer if an EOS id
         comes first (the runner's own rule: the token from prefill is never EOS-checked). A
         ``temperature`` above 0 samples with the runner's own sampler (unseeded: it has no seed,
-        top-k or top-p; ``export.sampling`` in the Python loop has them)."""
+        top-k or top-p; ``export.sampling`` in the Python loop has them). ``on_id`` gets each token's
+        id as the runner produces it (None where several ids give its piece: the returned ids resolve
+        the EOS that ended generation)."""
         from executorch.extension.llm.runner import GenerationConfig
 
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         pieces: list[str] = []
         stats: list = []
+        prev: list[int | None] = [None]
 
         def on_token(piece: str) -> None:
             pieces.append(piece)
-            if on_piece is not None:
-                on_piece(piece)
+            if on_id is not None:
+                cands = self._candidates(piece, prev[0])
+                prev[0] = cands[0] if len(cands) == 1 else None
+                on_id(prev[0])
 
         cfg = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, temperature=float(temperature), warming=True,
                                num_bos=num_bos)
@@ -257,10 +290,6 @@ class NativeLLMRunner:
         with captured_stderr() as log, serial_torch():
             try:
                 self._runner.generate(text, cfg, on_token, stats.append)
-            except UnicodeDecodeError as exc:
-                raise LLMRunnerUnavailable(
-                    f"a generated token is not valid UTF-8 on its own and cannot cross into Python ({exc.reason}); "
-                    f"{len(pieces)} tokens were produced before it") from None
             except Exception as exc:
                 raise LLMRunnerUnavailable(f"TextLLMRunner.generate failed: {exc} ({_log_tail(log())})") from None
             finally:
@@ -273,8 +302,9 @@ class NativeLLMRunner:
         if self.max_context_len is not None:  # the runner's own cap: prompt + new < max_context_len
             cap = min(cap, self.max_context_len - st["prompt_tokens"])
         ended_early = st["generated_tokens"] + 1 < cap
-        return Generation(ids=self._resolve_ids(pieces, ended_early), pieces=pieces, stats=st,
-                          stopped_at_eos=ended_early, prompt_ids=self.encode(text, num_bos))
+        ids = self._resolve_ids(pieces, ended_early)
+        return Generation(ids=ids, pieces=pieces, stats=st, stopped_at_eos=ended_early,
+                          prompt_ids=self.encode(text, num_bos), text=self.decode(ids))
 
     def timed(self, text: str, decode_tokens: int, *, num_bos: int = 0, runs: int = 3, warmup: int = 1) -> dict:
         """The runner's own Stats for prefill + ``decode_tokens`` steps: median of ``runs`` after ``warmup``."""
@@ -292,6 +322,18 @@ def _added_tokens(path: Path) -> dict[str, int]:
         return {t["content"]: int(t["id"]) for t in data.get("added_tokens") or [] if "content" in t and "id" in t}
     except (OSError, ValueError, TypeError, KeyError):
         return {}
+
+
+def _text_tokenizer(path: Path):
+    """The tokenizer beside the program, to decode ids to text: ``tokenizers`` over a ``tokenizer.json``,
+    else transformers over the folder."""
+    if path.suffix == ".json":
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, local_files_only=True)
 
 
 def _flush_c_stdio() -> None:

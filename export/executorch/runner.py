@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from export.executorch.blas_threads import serial_torch, warn_if_threaded
+from export.executorch.blas_threads import require_serial_mkl, serial_torch
 from export.runtime import Runner, RunnerError, first_divergence, greedy_generate
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class ExecuTorchRunner(Runner):
 
         if uses_llama_custom_ops(self.path):
             load_llama_custom_ops()
-            warn_if_threaded()
+            require_serial_mkl()
 
         if threads is not None:
             set_threads(threads)

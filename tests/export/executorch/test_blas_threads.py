@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -32,17 +31,48 @@ def test_a_users_mkl_setting_is_left_alone():
     assert env == {"MKL_NUM_THREADS": "4"}
 
 
-def test_warns_once_when_mkl_may_thread(monkeypatch, caplog):
-    monkeypatch.setattr(blas_threads, "_warned", False)
+def test_mkl_is_serial_on_every_thread_inside_serial_torch_and_restored_after():
+    """Inside serial_torch MKL runs one thread on the calling thread and on a thread with no count of its own (an
+    ExecuTorch worker), whatever the environment said; after it, both counts are back."""
+    import threading
+
+    import torch
+
+    mkl = blas_threads.process_mkl()
+    assert mkl is not None, "this torch build has MKL: its process-wide setter must be found"
+
+    def on_new_thread() -> int:
+        out = []
+        t = threading.Thread(target=lambda: out.append(int(mkl._get())))
+        t.start()
+        t.join()
+        return out[0]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    mkl.set(2)
+    default = mkl.default
+    mkl.default = 2  # as a process started without MKL_NUM_THREADS on 2 cores
+    try:
+        assert on_new_thread() == 2
+        with blas_threads.serial_torch():
+            assert torch.get_num_threads() == 1 and on_new_thread() == 1
+        assert torch.get_num_threads() == 2 and on_new_thread() == 2
+    finally:
+        mkl.default = default
+        mkl.set(default)
+        torch.set_num_threads(before)
+
+
+def test_a_torch_whose_mkl_cannot_be_made_serial_is_refused_in_one_line(monkeypatch):
+    from export.runtime import RunnerError
+
+    monkeypatch.setattr(blas_threads, "process_mkl", lambda: None)
     monkeypatch.setenv("MKL_NUM_THREADS", "2")
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    with caplog.at_level(logging.WARNING, logger=blas_threads.__name__):
-        assert blas_threads.warn_if_threaded() is True
-        assert blas_threads.warn_if_threaded() is False  # once per process
-    assert sum("MKL_NUM_THREADS=1" in r.getMessage() for r in caplog.records) == 1
-    monkeypatch.setattr(blas_threads, "_warned", False)
+    with pytest.raises(RunnerError, match="set MKL_NUM_THREADS=1 before importing torch"):
+        blas_threads.require_serial_mkl()
     monkeypatch.setenv("MKL_NUM_THREADS", "1")
-    assert blas_threads.warn_if_threaded() is False
+    blas_threads.require_serial_mkl()
 
 
 def test_cli_sets_it_before_torch_and_keeps_eager_threads():

@@ -139,10 +139,11 @@ def test_optimize_run_samples_the_seeds_answer_speculative_or_not(pte, capsys):
             assert ("[speculative ngram, sampled]" in out.err) == (mode == "ngram")
         assert answers[seed, "off"] == answers[seed, "ngram"] and answers[seed, "off"]
     assert answers["1", "off"] != answers["2", "off"]  # the seed chose the answer
+    # unseeded: what holds for every draw (any token, half a character included, crosses into Python)
     assert main(["run", str(pte), "--prompt", prompt, "--max-new-tokens", "8", "--temperature", "0.7",
                  "--runner", "llm"]) == 0
     out = capsys.readouterr()
-    assert "[ExecuTorch TextLLMRunner] prompt" in out.err and out.out.strip()
+    assert "[ExecuTorch TextLLMRunner] prompt" in out.err and out.out.endswith("\n")
     assert main(["run", str(pte), "--prompt", "hi", "--temperature", "0.7", "--seed", "1", "--runner", "llm"]) == 2
     assert "no --seed: drop them, or use --runner python" in capsys.readouterr().err
 
@@ -296,13 +297,16 @@ def test_programs_run_at_one_torch_thread_and_eager_keeps_its_own(pte, tiny):
 
 
 @pytest.mark.slow  # the module's `pte`
-def test_the_chat_end_marker_streamed_as_text_is_the_eos_id_not_text(pte):
+def test_the_chat_end_marker_streamed_as_text_is_the_eos_id_not_text(pte, tiny):
     """TextLLMRunner streams an added special token (SmolLM2's <|im_end|>, its EOS) as its literal
     text, which the C++ tokenizer's decode does not give back: it must still count as the EOS (never
-    shown, never part of the answer)."""
+    shown, never part of the answer). The other pieces are the tokens' own spellings, one id each."""
     llm = ExecuTorchRunner(pte).llm_runner()
-    assert 2 in llm.eos_ids and llm.may_be_eos("<|im_end|>")
-    assert llm._resolve_ids([" Paris", ".", "<|im_end|>"], ended_early=True)[-1] == 2
+    assert 2 in llm.eos_ids
+    words = [*tiny.tokenizer.convert_tokens_to_ids(["ĠParis", "."]), 10391, 233]  # 10391 233: わ, split
+    pieces = tiny.tokenizer.convert_ids_to_tokens(words)
+    assert llm._resolve_ids([*pieces, "<|im_end|>"], ended_early=True) == [*words, 2]
+    assert llm.decode([*words, 2]) == " Paris.わ<|im_end|>"
 
 
 @pytest.mark.slow  # the module's `pte`
@@ -328,3 +332,46 @@ def test_optimize_run_prints_the_answer_and_one_timing_line_only(pte, tmp_path):
     assert out == streamed.getvalue() and out.strip() and "<|" not in out, repr(out)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("[ExecuTorch TextLLMRunner] prompt"), err
+
+
+@pytest.mark.slow  # the module's `pte`, in a fresh interpreter
+def test_greedy_is_repeatable_in_an_embedding_process_without_mkl_num_threads(pte, tiny):
+    """As an MLOps job embeds the API: torch imported first at two threads, ``MKL_NUM_THREADS`` unset. The runner
+    makes MKL serial itself around each call (export/executorch/blas_threads.py), on ExecuTorch's workers too, so
+    two greedy decodes give the same tokens, those of eager greedy."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import json, threading, torch
+torch.set_num_threads(2)
+from export.executorch import blas_threads
+from export.executorch.runner import ExecuTorchRunner
+from export.runtime import greedy_generate
+runner = ExecuTorchRunner({str(pte)!r})
+seen = []
+class Spy:
+    def __init__(self, inner):
+        self.inner = inner
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+    def execute(self, *a):  # MKL's count on a thread with none of its own, as ExecuTorch's workers read it
+        t = threading.Thread(target=lambda: seen.append(blas_threads.process_mkl()._get()))
+        t.start(); t.join()
+        return self.inner.execute(*a)
+runner._method = Spy(runner._method)
+prompt = {tiny.tokenizer(PROMPT)["input_ids"]!r}
+first, second = greedy_generate(runner, prompt, 30), greedy_generate(runner, prompt, 30)
+print("RESULT", json.dumps([first, second, blas_threads.process_mkl().default, sorted(set(seen))]))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("MKL_NUM_THREADS", "OMP_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[3])
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT")]
+    assert line, done.stdout[-2000:] + done.stderr[-2000:]
+    first, second, default, seen = json.loads(line[0][len("RESULT "):])
+    assert default > 1, "the process's MKL default must be threaded for the check to mean anything"
+    assert seen == [1]  # inside each call, a thread without a count of its own runs MKL serially
+    assert first == second == greedy_generate(EagerRunner(tiny.model), tiny.tokenizer(PROMPT)["input_ids"], 30)

@@ -200,18 +200,15 @@ def test_every_torch_load_in_the_project_is_weights_only():
     ({"vocab_size": "big"}, "field 'vocab_size'"),  # transformers' own type check
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
 ])
+@pytest.mark.timeout(60)  # a hang guard (the gqa pre-flight once hung on these), not a wall-clock verdict
 def test_implausible_sizes_are_refused_before_any_check_runs(bad, named, tiny_config):
-    import time
-
     from optimize.config import load_config
     from optimize.errors import ConfigError
 
     doc = {"version": 1, "model": {"source": "random", "config": tiny_config("llama", **bad)},
            "stages": [{"kind": "gqa", "num_key_value_heads": 1}, {"kind": "ptq_int8"}]}
-    t0 = time.perf_counter()
     with pytest.raises(ConfigError) as err:
         load_config(doc)
-    assert time.perf_counter() - t0 < 30
     assert [p for p, _ in err.value.problems] == ["model"] and named in err.value.problems[0][1]
     with pytest.raises(ModelSourceError, match=re.escape(named)):
         load_model(RandomSource(config=tiny_config("llama", **bad)))
