@@ -19,6 +19,11 @@ the head is calibrated and solved anew); ``smollm2_onnx`` is ``smollm2_int8``'s 
 So the examples run in that order on one test worker (``ORDER``, a ``chain`` of ``minutes``
 marks: tests/conftest.py).
 
+Beside the gates, each row's stage details are checked on these real weights: GPTQ cuts
+round-to-nearest's output error by more than half, AWQ's scales cut it, and every exact fold (AWQ,
+SmoothQuant) proved itself on calibration text within its tolerance. (These were two tests of their
+own on a ten-block GPTQ and a two-window AWQ of the same model, which repeated the examples' work.)
+
 ``examples/qat.yaml`` runs with fewer training steps (``SHORTENED``): more steps of the same
 schedule only lower the loss it is gated on, so passing shortened bounds the full run.
 ``examples/prune_distill.yaml`` (a 25-minute distillation) is not run here; its figures are in
@@ -86,6 +91,16 @@ def test_example_passes_its_gates_with_margin(name, tmp_path):
     report = run_pipeline(load_config(data))
     failed = [f"{r.name}: {g.message}" for r in report.rows for g in r.gates if not g.ok]
     assert report.ok and not failed, failed or [r.error for r in report.rows if r.error]
+    for row in report.rows:
+        d = row.details
+        # on the real weights, at the examples' own calibration: GPTQ's integers cut round-to-nearest's output
+        # error by more than half, AWQ's scales cut it at all, and every exact fold proved itself
+        if "gptq" in d:
+            assert d["gptq"]["output_error_reduction"] > 0.5, (row.name, d["gptq"])
+        if "calibration_output_error_reduction" in d:
+            assert d["calibration_output_error_reduction"] > 0, (row.name, d)
+        if "exactness" in d:
+            assert d["exactness"]["relative_diff"] <= d["exactness"]["tolerance"], (row.name, d["exactness"])
     goal = cfg.gates.perplexity
     if goal is not None and goal.max_pct_degradation is not None:
         for row in report.rows[1:]:

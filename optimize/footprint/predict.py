@@ -246,7 +246,7 @@ def precision_overlap(a: DevicePrediction, b: DevicePrediction) -> float | None:
     if not ma or not mb or not sum(ma.values()) or not sum(mb.values()):
         return None
     ta, tb = sum(ma.values()), sum(mb.values())
-    return round(sum(min(ma.get(k, 0) / ta, mb.get(k, 0) / tb) for k in set(ma) | set(mb)), 4)
+    return round(sum(min(ma.get(k, 0) / ta, mb.get(k, 0) / tb) for k in sorted(set(ma) | set(mb))), 4)  # one summing order in every process
 
 
 def nearest_source(target: DevicePrediction, sources: list[DevicePrediction]) -> DevicePrediction | None:

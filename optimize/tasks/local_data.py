@@ -175,7 +175,7 @@ def local_dataset(config) -> Any:
             return _from_saved(task, config, have, needed, str(local))
         if (local / "state.json").is_file():  # save_to_disk of one Dataset: every role reads it
             ds = datasets.load_from_disk(str(local), keep_in_memory=True)
-            return _checked(task, config, datasets.DatasetDict({s: ds for s in set(needed.values())}), needed,
+            return _checked(task, config, datasets.DatasetDict({s: ds for s in sorted(set(needed.values()))}), needed,
                             str(local))
         return _checked(task, config, _read_files(str(local), name, kwargs), needed, str(local))  # data files
 

@@ -189,6 +189,7 @@ FAST = _settings(150)
 
 @FAST
 @given(pipelines())
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_fuzzed_dicts_are_accepted_or_config_errors(doc):
     _check_outcome(doc, check_model=False)
 

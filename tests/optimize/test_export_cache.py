@@ -111,6 +111,7 @@ def test_rerun_reuses_the_export_and_remeasures_when_checks_change(tiny_cfg, two
     assert remeasured.rows[1].details["greedy"]["tokens"] == 3 and remeasured.rows[1].status == "pass"
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_changed_or_damaged_artifacts_export_again(tiny_cfg, two_target):
     tiny_cfg["target"] = two_target
     _run(tiny_cfg)

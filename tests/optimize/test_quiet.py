@@ -100,6 +100,7 @@ def test_executorch_pipeline_in_a_fresh_process_is_silent(tmp_path):
     assert (tmp_path / "run" / "export" / "executorch" / "model.pte").exists()
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_cli_in_a_pipe_prints_the_run_messages_but_not_the_library_noise(tmp_path):
     """``optimize pipeline`` with stderr not a terminal (make, CI, a pipe): the run's own messages
     reach the real stderr while they happen (the saved fd 2, not the redirected one), the library

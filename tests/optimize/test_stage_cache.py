@@ -52,6 +52,7 @@ def _spy_stages(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_another_directory_reuses_every_stage_and_every_row(tiny_cfg, tmp_path, cache, monkeypatch):
     first = run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a")), say=lambda m: None)
     assert first.ok and len(_entries(cache)) == 2
@@ -82,6 +83,7 @@ def test_a_changed_later_stage_reuses_the_prefix_only(tiny_cfg, tmp_path, cache,
     assert report.rows[1].status == "resumed" and report.rows[2].status == "pass"
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_anything_that_changes_the_model_is_another_key(tiny_cfg, tmp_path, cache, monkeypatch):
     monkeypatch.setattr(stage_cache, "KEEP", 8)  # six keys must all stay to be counted (the bound has its own test)
     stages = [{"kind": "test_noise", "scale": 0.02}]
@@ -105,6 +107,7 @@ def test_anything_that_changes_the_model_is_another_key(tiny_cfg, tmp_path, cach
     assert len(_entries(cache)) == 6
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_names_and_gates_are_not_part_of_the_key_and_a_reused_row_meets_this_runs_gates(tiny_cfg, tmp_path, cache,
                                                                                         monkeypatch):
     stages = [{"kind": "test_noise", "scale": 0.05}]
@@ -141,6 +144,7 @@ def test_other_checks_measure_the_reused_model_again(tiny_cfg, tmp_path, cache, 
     assert stage_cache.measured_with(entry) != stage_cache.measured_with(Path(report.rows[1].artifact))
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_a_damaged_entry_is_a_miss(tiny_cfg, tmp_path, cache, monkeypatch):
     stages = [{"kind": "test_noise", "scale": 0.02}]
     run_pipeline(load_config(_cfg(tiny_cfg, tmp_path, "a", stages=stages)), say=lambda m: None)
@@ -154,6 +158,7 @@ def test_a_damaged_entry_is_a_miss(tiny_cfg, tmp_path, cache, monkeypatch):
         assert report.rows[1].status == "pass"
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_off_by_default_short_stages_are_not_kept_and_the_cache_is_bounded(tiny_cfg, tmp_path, private_cache,
                                                                             monkeypatch):
     cache = private_cache / "stages"
@@ -201,6 +206,7 @@ def test_two_runs_started_together_compute_a_shared_stage_once(tiny_cfg, tmp_pat
     assert sorted(len(o["ran"]) for o in outs) == [0, 2], outs  # one computed both stages, the other none
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_a_recipe_that_differs_in_its_head_reuses_awq_and_gptqs_blocks(tiny_cfg, tmp_path, cache, monkeypatch):
     """The main job (AWQ, then GPTQ with an int8 head) and an all-4-bit recipe with a tied int4 head:
     the second reuses the AWQ stage and GPTQ's decoder blocks, and solves only its head; its model is

@@ -65,6 +65,7 @@ def test_memory_savers_do_not_change_the_math(tiny_llama, train_ids, tmp_path, m
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_mixed_precision_keeps_fp32_master_weights(tiny_llama, train_ids, tmp_path, mode):
     fp32 = _run(tiny_llama, train_ids, _cfg(tmp_path, "fp32", max_steps=3))
     low = _run(tiny_llama.to(torch.bfloat16), train_ids, _cfg(tmp_path, mode, max_steps=3, precision=dict(mode=mode)))

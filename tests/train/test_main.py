@@ -21,6 +21,7 @@ def test_bad_recipe_is_one_error_and_exit_2(tmp_path, th, capsys):
     assert err.startswith("error: ") and "train: unknown key 'max_stepz'" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_a_refusal_while_training_is_one_line_and_exit_2(tmp_path, th):
     """Refused after the model loaded (a ValueError train/lora.py raises on purpose), in a real process."""
     recipe = th.tiny_recipe(tmp_path / "run", lora=dict(enabled=True, target_modules=["no_such_proj"]))

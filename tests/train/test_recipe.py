@@ -86,6 +86,7 @@ def test_overrides(tmp_path, th):
     assert loop.data_workers == 2
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_cli_bad_recipe_exit_code(tmp_path, th):
     import subprocess
     import sys

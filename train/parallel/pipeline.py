@@ -60,7 +60,7 @@ def _stage_forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) ->
     position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
     kw = dict(config=base.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=position_ids)
     masks = {}
-    for kind in set(self.stage_mask_kinds):
+    for kind in dict.fromkeys(self.stage_mask_kinds):  # first-seen order, the same in every rank
         masks[kind] = (create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask)(**kw)
     position_embeddings = base.rotary_emb(h, position_ids=position_ids)
     for block, kind in zip(base.layers.values(), self.stage_mask_kinds):

@@ -77,6 +77,7 @@ def test_fused_offset_members_give_the_same_logits():
         assert torch.equal(fused(ids).logits, model(ids).logits)
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_exported_graph_merges_the_shared_offset_paths():
     """Each member traces the shared int4 Linear and the shared offset Linear; merging leaves one
     of each per group, and every member keeps its own name for the scheme check."""

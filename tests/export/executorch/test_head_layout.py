@@ -35,6 +35,7 @@ def _transposes(ep) -> int:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_rope_transposes_cancel_and_values_are_identical(exported_decoder, family):
     model_type, over, per_layer, tol = FAMILIES[family]
     ids = torch.randint(0, 256, (1, T + 1), generator=torch.Generator().manual_seed(1))

@@ -48,6 +48,7 @@ def _lower_llm(model) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_an_llm_lowers_to_the_same_bytes_with_fewer_passes(family, tiny_config, monkeypatch):
     from targets.sources import RandomSource, load_model
 
@@ -102,6 +103,7 @@ def _lower_vision(model) -> tuple[bytes, dict]:
     return edge.to_executorch().buffer, skipped
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_passes_whose_operators_are_present_still_run():
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower

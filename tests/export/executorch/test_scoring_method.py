@@ -38,6 +38,7 @@ def _ids(n, seed=0):
     return torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_forward_all_returns_every_position_as_forward_does_one_at_a_time(scored):
     _, res = scored
     assert res.details["llm_ops"]["scoring_method"] == SCORING_METHOD

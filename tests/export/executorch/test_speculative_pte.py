@@ -52,6 +52,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.minutes(0.8)
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_the_same_tokens_as_plain_greedy_of_the_same_program(small_vocab_pte):
     path, details = small_vocab_pte
     assert details["llm_ops"]["verify_method"] == {"name": VERIFY_METHOD, "max_tokens": 6}
@@ -81,6 +82,7 @@ def test_the_same_tokens_as_plain_greedy_of_the_same_program(small_vocab_pte):
 
 @pytest.mark.minutes(0.6)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_verify_gives_one_token_logits_bit_for_bit(family, tmp_path_factory):
     """fp32, every position returned: a verify call of 2-5 tokens after a 60-token context equals the
     same tokens fed one at a time through forward, exactly (0.0), and leaves the cache where forward
@@ -114,6 +116,7 @@ def test_verify_gives_one_token_logits_bit_for_bit(family, tmp_path_factory):
 
 
 @pytest.mark.minutes(0.5)
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_cut_back_after_a_rejected_draft_continues_exactly(small_vocab_pte):
     """After a verify call the runner continues from fewer positions (a rejection): what follows is
     what plain decoding from that position gives, though verify wrote later slots."""
@@ -131,6 +134,7 @@ def test_cut_back_after_a_rejected_draft_continues_exactly(small_vocab_pte):
     assert torch.equal(fast.forward(ids[31:34]), want[1:])
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_only_a_forward_runner_continues_into_verify(small_vocab_pte):
     path, _ = small_vocab_pte
     with pytest.raises(RunnerError, match="continues forward's cache"):

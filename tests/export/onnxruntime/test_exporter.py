@@ -57,6 +57,7 @@ def test_registry_and_suffix():
     assert ".onnx" in OnnxRuntimeExporter.suffixes
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_fp32_logits_match_eager(tiny, exported, text_ids):
     runner = OnnxRuntimeExporter().load(exported["fp32"].artifact)
     res = logits_parity(EagerRunner(tiny.model), runner, text_ids["eval"])

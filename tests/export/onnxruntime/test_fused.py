@@ -186,6 +186,7 @@ def test_gptq_integers_reach_the_graph_exactly(gptq_int4, tmp_path):
     assert logits_parity(EagerRunner(_weight_only(model)), runner, [IDS])["max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_hqq_scales_reach_the_graph_exactly(tmp_path):
     """HQQ-optimised scales (scale only, symmetric): the same integers x scales in ORT as in
     eager, logits within 1e-4 at fp32 activations (accuracy_level 1)."""

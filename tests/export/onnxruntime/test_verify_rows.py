@@ -68,6 +68,7 @@ def _runners(result):
 
 @pytest.mark.parametrize("key", [("llama", "fp32"), ("llama", "w8a8"), ("llama", "int4"), ("qwen2", "w8a8"),
                                  ("gemma2", "int4")], ids=lambda k: "-".join(k))
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_verification_calls_are_one_token_calls_bit_for_bit(exports, key):
     result = exports[key]
     assert result.manifest["verify"] == {"input": VERIFY, "max_tokens": 5, "attention_nodes": 2}

@@ -66,6 +66,7 @@ def test_a_yaml_that_already_prunes_depth_is_refused_in_one_line(tiny_cfg, tiny_
     assert len(err) == 1 and "already prunes depth (0:prune)" in err[0]
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_a_depth_wins_when_only_it_meets_the_decode_budget(tiny_cfg, tiny_config, tmp_path):
     """A decode floor between the full depth's fastest ceiling and the pruned one's: only 3-block
     recipes fit, so that depth is pruned and healed (a pipeline run, no export), its quantizations
@@ -111,6 +112,7 @@ def test_a_depth_wins_when_only_it_meets_the_decode_budget(tiny_cfg, tiny_config
     assert "resuming: all 2 stages finished in an earlier run" in log
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_heal_steps_0_prunes_without_a_heal(tiny_cfg, tiny_config, tmp_path):
     """--heal-steps 0: the depth's run and fit.yaml have the prune stage alone, and say so."""
     tiny_cfg["model"]["config"] = tiny_config("mistral", num_hidden_layers=4)

@@ -3,12 +3,14 @@ ones a run already finished, and fit.yaml's run resumes from their linked checkp
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from optimize.config import load_config
 from optimize.fit import fit
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_finished_leading_stages_are_measured_after_and_linked_for_fit_yaml(tiny_cfg, tmp_path):
     """A run of the YAML finished its distill stage (a checkpoint written here, its weights changed so
     the difference shows): fit measures the recipes on that model, not the one as loaded, and

@@ -78,6 +78,7 @@ def _check(fp: MemoryFootprint, artifact_bytes: int, what: str, model_tol: float
 
 
 @pytest.mark.parametrize("how", ["onnxruntime", "onnxruntime-genai"])
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_peak_rss_of_a_tiny_onnx_artifact_in_a_child(onnx_export, how):
     """model.onnx through an InferenceSession, and the export directory through onnxruntime-genai
     (what the pipeline verifies). The model's part is loose at this size (35%): a few MiB of arena
@@ -99,6 +100,7 @@ def test_peak_rss_of_a_tiny_onnx_artifact_in_a_child(onnx_export, how):
     _check(fp, size, how, model_tol=0.35)
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_the_child_prefills_in_the_exports_chunks(onnx_export, tmp_path):
     """An export with ``prefill_chunk`` is prefilled in those calls by both runners: the largest call
     is one chunk (the attention scores the prediction counts), and its logits are one row (the

@@ -168,6 +168,7 @@ def test_cli_ls_devices_and_the_flag(tiny_cfg, tmp_path, capsys):
 
 # ---- the pipeline
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_export_rows_report_memory_and_a_device_that_does_not_fit_fails_with_figures(tiny_cfg, tmp_path):
     """A fake device with 1 MiB usable and 1 MiB of storage and a decode budget of a million tokens a
     second: the ONNX export row fails all three device gates, each with its figures; report.json and

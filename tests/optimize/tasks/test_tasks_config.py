@@ -12,6 +12,7 @@ def _load(cfg):
     return load_config(cfg, check_model=False)
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_unknown_task_names_the_path_and_near_names(tiny_cfg):
     """Any task lm-eval knows is accepted (MMLU's data is in the wheel); an unknown one is refused by
     name with lm-eval's nearest names."""

@@ -76,6 +76,7 @@ def test_stage_gates_replace_task_goals_one_by_one():
 
 
 @needs_tasks
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_pipeline_scores_rows_writes_the_table_and_a_task_gate_stops_the_run(tiny_cfg):
     tiny_cfg["stages"] = [{"kind": "test_noise", "scale": 0.05}]
     tiny_cfg["checks"]["accuracy"] = False

@@ -32,6 +32,7 @@ def user_dir(tmp_path_factory):
     return write_user_tasks(tmp_path_factory.mktemp("user") / "my_tasks")
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_every_output_type_equals_hflm_request_by_request(tiny_lm, user_dir):
     from lm_eval.models.huggingface import HFLM
 
@@ -86,6 +87,7 @@ def test_include_path_scores_with_lm_evals_metrics_and_group_aggregate(tiny_lm, 
     assert facts["generated"] > 0 and facts["tokens"] > 0 and facts["seconds"] > 0
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_validate_refuses_what_cannot_be_scored_offline(tiny_cfg, user_dir, tmp_path):
     from optimize.config import ConfigError, load_config
 
@@ -117,6 +119,7 @@ def test_validate_refuses_what_cannot_be_scored_offline(tiny_cfg, user_dir, tmp_
     assert "gates.tasks.support_tickets.metric" in msg and "it has: acc" in msg
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_include_path_is_relative_to_the_config_file(tiny_cfg, user_dir, tmp_path):
     import yaml
 
@@ -130,6 +133,7 @@ def test_include_path_is_relative_to_the_config_file(tiny_cfg, user_dir, tmp_pat
     assert cfg.checks.tasks.include_path == [str((cfg_dir / "tasks_here").resolve())]
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_csv_and_saved_folders_score_as_the_jsonl_does(tiny_lm, user_dir, tmp_path):
     """The same tickets as CSV (dataset_path: csv) and as a save_to_disk folder (dataset_path: the
     folder) give the JSONL task's scores exactly."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gguf
+import pytest
 
 from targets.sources import bundled_gguf_path
 from targets.sources.gguf import _one_reader
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_one_reader_hands_every_call_the_same_parse_and_restores_the_class():
     path = bundled_gguf_path("smollm2-135m")
     original = gguf.GGUFReader

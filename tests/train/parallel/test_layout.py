@@ -122,6 +122,7 @@ def _check(th, tmp_path, arch: str, world: int, **train) -> subprocess.Completed
     return subprocess.run(cmd, cwd=th.REPO, env=th.env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_check_prints_the_resolved_layout_and_refuses_in_one_line(th, tmp_path):
     ok = _check(th, tmp_path, "mixtral", 4, distributed=dict(fsdp=True), parallel=dict(ep=2))
     assert ok.returncode == 0, ok.stderr[-2000:]
