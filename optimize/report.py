@@ -98,10 +98,21 @@ class Report(BaseModel):
         if not self.ok:
             return f"STOPPED at {self.stopped_at}"
         warned = self.warned_gates()
-        if warned:
-            return (f"finished with {len(warned)} gate(s) failed as warnings: "
-                    + "; ".join(f"{name}: {g.message}" for name, g in warned))
-        return "all gates passed"
+        ended = ("all gates passed" if not warned else f"finished with {len(warned)} gate(s) failed as warnings: "
+                 + "; ".join(f"{name}: {g.message}" for name, g in warned))
+        missing = self.nothing_exported()
+        return ended if missing is None else f"{ended} · {missing}"
+
+    def nothing_exported(self) -> str | None:
+        """Why a run whose YAML has an ``export:`` block shipped no artifact (it named no target), or None.
+
+        A YAML that sets exporter options and no ``target`` runs its stages and exports nothing; its end
+        must say so, not read as if the artifact were there."""
+        names = sorted((self.config or {}).get("export") or {})
+        if not names or (self.config or {}).get("target") or any(r.name.startswith("export:") for r in self.rows):
+            return None
+        return (f"nothing exported: the export block sets {', '.join(f'export.{n}' for n in names)} but no target "
+                f"was given (pass --target {names[0]}, or set target: {names[0]})")
 
     def row(self, name: str) -> StageRow:
         for r in self.rows:

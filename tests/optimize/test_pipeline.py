@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from optimize import load_config, run_pipeline
 from optimize.report import Report
@@ -70,6 +71,27 @@ def test_warn_gate_continues(tiny_cfg):
     assert "all gates passed" not in md and "Result: **finished with 2 gate(s) failed as warnings" in md
 
 
+def test_an_export_block_without_a_target_ends_saying_nothing_was_exported(tiny_cfg, capsys):
+    """export.executorch options and no target: the stages run, no artifact is made, and the last line says
+    so (the issue's run ended "ok: all gates passed" with nothing exported)."""
+    from optimize.cli import main
+
+    tiny_cfg["export"] = {"executorch": {"max_seq_len": 64}}
+    tiny_cfg["checks"] = {"latency": {"enabled": False}}
+    path = Path(tiny_cfg["output_dir"]).parent / "p.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg))
+    assert main(["pipeline", str(path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("ok: all gates passed · nothing exported: the export block sets export.executorch but "
+                           "no target was given (pass --target executorch"), last
+    from optimize.report import StageRow
+
+    exported = Report(name="t", config={"export": {"executorch": {}}, "target": None},
+                      rows=[StageRow(index=0, name="export:executorch", kind="export:executorch", runtime="executorch")])
+    assert exported.nothing_exported() is None and exported.verdict() == "all gates passed"
+    assert Report(name="t", config={"export": {}, "target": None}).verdict() == "all gates passed"
+
+
 def test_per_stage_gate_override(tiny_cfg):
     tiny_cfg["gates"] = {"top1_agreement": {"threshold": 0.999}}
     tiny_cfg["stages"] = [{"kind": "test_noise", "scale": 0.2, "gates": {"top1_agreement": {"threshold": 0.0}}}]
@@ -86,6 +108,7 @@ def test_crashing_stage_is_reported_and_earlier_work_kept(tiny_cfg, tmp_path):
     assert "## Errors" in (tmp_path / "run" / "report.md").read_text()
 
 
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_rerun_resumes_and_edit_invalidates_from_changed_stage(tiny_cfg):
     tiny_cfg["stages"] = [{"kind": "test_noise", "scale": 0.01}, {"kind": "test_noise", "scale": 0.02}]
     first = run_pipeline(load_config(tiny_cfg), say=lambda m: None)
@@ -164,6 +187,7 @@ def test_compute_dtype_places_the_model_and_the_export_gets_it_back_on_cpu_in_fp
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_explicit_cpu_and_float32_give_the_result_of_the_defaults(tiny_cfg, tiny_config, tmp_path, family):
     """``device: cpu`` and ``compute_dtype: float32`` on an fp32 model are what a run always did: the
     same GPTQ stage gives the same figures as a run that names neither."""
