@@ -45,7 +45,10 @@ SHORTENED = {"qat": {"stages.0.steps": 3},
              # row judges a draft by how often the target keeps its tokens, which the exporters' tests prove)
              "smollm2_speculative": {"draft.stages.1.steps": 3, "draft.stages.1.answers.prompts": 4,
                                      "draft.stages.1.answers.new_tokens": 16}}
-NOT_RUN = {"prune_distill": "a 25-minute distillation; measured by bench/compress.py"}
+NOT_RUN = {"prune_distill": "a 25-minute distillation; measured by bench/compress.py",
+           # the models people ship need `make qwen` (1.6 GB of part packages) and tens of minutes of GPTQ on 2 cores:
+           # run as a user runs them, figures in the README; tests/optimize/test_config.py validates them
+           "qwen2.5_coder_0.5b": "needs make qwen and a 20-minute run; README's figures"}
 #: the order the examples run in, on one worker: each after the example whose stages it reuses
 ORDER = ["smollm2", "smollm2_torchchat", "smollm2_speculative", "smollm2_onnx_int4", "smollm2_int8", "smollm2_onnx",
          "qat", "smollm2_onnx_int4_grid", "smollm2_grid", "tiny"]

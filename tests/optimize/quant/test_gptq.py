@@ -57,8 +57,10 @@ def test_rows_in_chunks_give_the_same_integers(scale_init):
     whole = gptq_layer(w, h, scheme_for("8da4w", 32), scale_init=scale_init)
     parts = gptq_layer(w, h, scheme_for("8da4w", 32), scale_init=scale_init, rows_per_chunk=37)
     assert torch.equal(whole.q, parts.q) and torch.equal(whole.scale, parts.scale)
-    assert parts.rel_error_gptq == pytest.approx(whole.rel_error_gptq, rel=1e-12)
-    assert parts.rel_error_rtn == pytest.approx(whole.rel_error_rtn, rel=1e-12)
+    # the report's errors are multiplied in float32, by another BLAS kernel for 37 rows than for 300: equal to
+    # float32's precision (the integers above are equal bit for bit)
+    assert parts.rel_error_gptq == pytest.approx(whole.rel_error_gptq, rel=1e-6)
+    assert parts.rel_error_rtn == pytest.approx(whole.rel_error_rtn, rel=1e-6)
 
 
 

@@ -96,7 +96,8 @@ def test_damp_auto_picks_the_ladder_value_with_the_lowest_output_error(scale_ini
     auto = gptq_layer(w, h, scheme, damp="auto", scale_init=scale_init)
     assert auto.damp in DAMP_LADDER
     fixed = {d: gptq_layer(w, h, scheme, damp=d, scale_init=scale_init) for d in DAMP_LADDER}
-    assert auto.rel_error_gptq == pytest.approx(min(r.rel_error_gptq for r in fixed.values()), rel=1e-12)
+    # float32 products in the report's error (MKL's results may move in the last bits with the buffers' alignment)
+    assert auto.rel_error_gptq == pytest.approx(min(r.rel_error_gptq for r in fixed.values()), rel=1e-6)
     # the layer's integers are those of the fixed damp it chose
     assert torch.equal(auto.q, fixed[auto.damp].q) and torch.equal(auto.scale, fixed[auto.damp].scale)
     again = gptq_layer(w, h, scheme, damp="auto", scale_init=scale_init)
@@ -112,7 +113,10 @@ def test_damp_auto_on_a_sample_of_rows_then_all_rows_with_the_choice(monkeypatch
     auto = gptq_layer(w, h, scheme, damp="auto", rows_per_chunk=30)
     fixed = gptq_layer(w, h, scheme, damp=auto.damp)
     assert auto.damp in DAMP_LADDER and torch.equal(auto.q, fixed.q)
-    assert auto.rel_error_gptq == pytest.approx(fixed.rel_error_gptq, rel=1e-12)
+    # the report's error is multiplied in float32 (optimize/quant/gptq.py _relative_errors), and a chunk of 30 rows
+    # takes another BLAS kernel than 100: the figures agree to float32's precision, not bit for bit (1e-12 failed
+    # in a CI run by 3e-10)
+    assert auto.rel_error_gptq == pytest.approx(fixed.rel_error_gptq, rel=1e-6)
 
 
 def test_damp_auto_survives_a_singular_hessian():
