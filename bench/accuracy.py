@@ -177,7 +177,7 @@ def measure_row(row: Row, base_model, tokenizer, windows, baseline, calib, promp
     earlier run's JSON) supplies the accuracy figures, so only latency is measured again."""
     from targets.atomic import atomic_write_json
     from export.base import get_exporter
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import latency
     from optimize.checks.accuracy import evaluate
 
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(THREADS)
 
     from targets.atomic import atomic_write_json, atomic_write_text
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from optimize.checks.accuracy import BaselineLogits, eval_windows, evaluate
     from targets.sources.corpus import load_text, split_corpus, tokenize
     from targets.sources.corpus import windows as cut

@@ -84,7 +84,7 @@ class Bench:
 
     # ---- measurements
     def ppl(self, model) -> float:
-        from export.runtime import EagerRunner
+        from export.decoding.runtime import EagerRunner
         from export.verify import perplexity
 
         return round(perplexity(EagerRunner(model), self.eval_ids, MAX_SEQ)["perplexity"], 3)

@@ -33,7 +33,7 @@ from bench.common import parse_positions, positions_table, print_results  # noqa
 def _open(folder: Path, threads: int):
     """The folder through onnxruntime-genai, its verifying runner where it has the input (else None)."""
     from export.onnxruntime.genai_runner import GenaiRunner
-    from export.runtime import RunnerError
+    from export.decoding.runtime import RunnerError
 
     if not (Path(folder) / "genai_config.json").is_file():
         raise FileNotFoundError(f"no onnxruntime-genai folder at {folder} (genai_config.json)")
@@ -48,7 +48,7 @@ def _timed(runner, pos: int, tokens: int, steps: int, gen) -> float:
     """Median seconds of ``steps`` calls of ``tokens`` tokens at ``pos``, each cut back after."""
     import torch
 
-    from export.runtime import argmax_ids
+    from export.decoding.runtime import argmax_ids
 
     out = []
     for _ in range(steps):

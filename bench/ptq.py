@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
 
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import latency, perplexity
     from optimize.stage_api import StageContext, get_stage
     from targets.sources.corpus import load_text, tokenize

@@ -58,7 +58,7 @@ def interleaved_medians(fa, fb, runs: int, warmup: int = 2) -> tuple[float, floa
 
 def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
     """The pipeline's own perplexity (export.verify: non-overlapping windows, summed NLL)."""
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import perplexity as runner_perplexity
 
     return runner_perplexity(EagerRunner(model), ids, window)["perplexity"]
@@ -134,7 +134,7 @@ def make_runner(model, tokenizer, kind: str, tmp: Path, log, args_max_seq: int =
             if kind == "executorch":
                 raise
             log(f"executorch unavailable ({type(exc).__name__}: {str(exc)[:200]}); using eager")
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
 
     return EagerRunner(model), "eager (HF DynamicCache)"
 

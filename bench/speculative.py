@@ -25,7 +25,7 @@ first token, which ends the prefill, to the last), tokens per verification call,
 ratio to plain decoding of the same artifact and to the peer (each paired within a round, round-robin
 over the decoders, median over rounds), and whether every output equals plain greedy decoding.
 
-``--temperature T`` (with ``--top-p``) samples instead (``export.sampling``), every decoder with the
+``--temperature T`` (with ``--top-p``) samples instead (``export.decoding.sampling``), every decoder with the
 same seed for a prompt (from its ids): speculative rows must then give plain sampling's tokens, and
 the drafts, still greedy, are kept by the standard rejection rule, so fewer are kept than greedy keeps.
 
@@ -53,7 +53,7 @@ import torch  # noqa: E402
 THREADS = 2
 MAX_NEW = 96
 VERIFY_TOKENS = 5  # drafts of up to 4 tokens: a call pays for its rows, repeats included (docs/executorch.md)
-#: --temperature / --top-p: how every decoder samples (an export.sampling.Sampling; None: greedy); each
+#: --temperature / --top-p: how every decoder samples (an export.decoding.sampling.Sampling; None: greedy); each
 #: prompt's seed comes from its ids
 SAMPLING = None
 
@@ -140,7 +140,7 @@ def _decode(generate, ids: list[int]) -> tuple[list[int], float, dict]:
 def decode_plain(runner, ids: list[int], eos: list[int]) -> tuple[list[int], float, dict]:
     """Decode one token a call (greedy, or as ``SAMPLING`` says); returns (tokens, decode seconds after the
     prefill, stats)."""
-    from export.runtime import generate_ids
+    from export.decoding.runtime import generate_ids
 
     def generate(ids, on_token):
         out = generate_ids(runner, ids, MAX_NEW, sampling=sampling_for(ids), eos_token_ids=eos, on_token=on_token)
@@ -150,7 +150,7 @@ def decode_plain(runner, ids: list[int], eos: list[int]) -> tuple[list[int], flo
 
 
 def decode_speculative(runner, ids: list[int], eos: list[int], drafter=None) -> tuple[list[int], float, dict]:
-    from export.speculative import speculative_generate
+    from export.decoding.speculative import speculative_generate
 
     def generate(ids, on_token):
         out, stats = speculative_generate(runner, ids, MAX_NEW, drafter=drafter, eos_token_ids=eos, on_token=on_token,
@@ -185,8 +185,8 @@ def example_artifact(yaml: Path, target: str, overrides: list[str], out: Path) -
 def decoders_executorch(args, lm) -> tuple[dict, str]:
     """plain / ngram / draft (when the program has one) / peer: runner and decode function each."""
     from export.executorch.runner import ExecuTorchRunner, set_threads
-    from export.runtime import RunnerError
-    from export.speculative import HybridDrafter, ModelDrafter
+    from export.decoding.runtime import RunnerError
+    from export.decoding.speculative import HybridDrafter, ModelDrafter
 
     pte = args.pte or example_artifact(ET_EXAMPLE, "executorch", [], args.cache_dir / "smollm2-speculative")
     set_threads(THREADS)

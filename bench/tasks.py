@@ -9,7 +9,7 @@ metric is acc_norm where the task has it, else acc, in points ± its standard er
 
 Rows:
 
-- ``fp32 eager``: the bundled model in PyTorch (``export.runtime.EagerRunner``);
+- ``fp32 eager``: the bundled model in PyTorch (``export.decoding.runtime.EagerRunner``);
 - ``executorch .pte``: ``--pte PATH``, default the demo's ``runs/smollm2-executorch/export/executorch/model.pte``
   (``examples/smollm2.yaml``: AWQ + GPTQ 8da4w; ``--build`` exports it with its ``forward_all`` scoring
   method, which a plain ``make demo`` leaves out: without it each continuation token is one call);
@@ -60,7 +60,7 @@ def hflm_check(model, tokenizer, names, items: int, include_path=(), rounds: int
     request type the tasks make (log-likelihoods, rolling log-likelihoods, greedy generations),
     timed round-robin (``rounds`` each, best kept)."""
     from lm_eval.models.huggingface import HFLM
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from optimize.tasks.adapter import RunnerLM
     from optimize.tasks.catalog import load_tasks
 
@@ -110,7 +110,7 @@ def hflm_check(model, tokenizer, names, items: int, include_path=(), rounds: int
 def eager_ab(model, tokenizer, names, limit: int, rounds: int, log) -> dict:
     """Eager scoring with the choices of an item as one batch (``EagerRunner.forward_each``) against one
     at a time (cache cut back in between), round-robin; the scores must be equal."""
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from optimize.tasks.evaluate import evaluate_tasks
 
     class OneByOne(EagerRunner):
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from export.base import get_exporter
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from optimize.tasks.evaluate import evaluate_tasks
     from optimize.tasks.scores import unit_of
     from targets.sources import BundledSource, load_model

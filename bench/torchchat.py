@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
     from export.base import get_exporter
     from export.executorch.runner import set_threads
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from targets.sources.corpus import load_text, tokenize
     from targets.sources import BundledSource, load_model
 

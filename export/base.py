@@ -1,7 +1,7 @@
 """The exporter contract: every target runtime implements one :class:`Exporter`.
 
 An exporter turns an eager HF causal LM into a shipped artifact in an output directory and
-can load that artifact back as a :class:`~export.runtime.Runner`, so the pipeline verifies
+can load that artifact back as a :class:`~export.decoding.runtime.Runner`, so the pipeline verifies
 what it ships in the runtime that will run it. Exporters never import ``optimize``.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from targets.config_base import Strict
 
-from export.runtime import Runner
+from export.decoding.runtime import Runner
 
 
 class ExportError(RuntimeError):

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from export.runtime import Runner, argmax_ids, first_divergence, greedy_generate
+from export.decoding.runtime import Runner, argmax_ids, first_divergence, greedy_generate
 
 
 def _ids(x: Iterable[int] | torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 A ``.pte`` runs through ExecuTorch's C++ text runner (``TextLLMRunner``, what Android and iOS
 apps link) whenever the program and its tokenizer allow it; otherwise, and for ``.onnx``, through
-the Python loop over :class:`~export.runtime.Runner`. Falling back is never silent: the reason is
+the Python loop over :class:`~export.decoding.runtime.Runner`. Falling back is never silent: the reason is
 logged. Both give the same greedy tokens for the same ids (tested).
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Callable, Literal, TextIO
 
 from export.base import exporter_for_artifact
-from export.runtime import RunnerError, generate_ids
-from export.sampling import Sampling
-from export.speculative import HybridDrafter, ModelDrafter, speculative_generate
-from export.text_stream import TextStream
+from export.decoding.runtime import RunnerError, generate_ids
+from export.decoding.sampling import Sampling
+from export.decoding.speculative import HybridDrafter, ModelDrafter, speculative_generate
+from export.decoding.text_stream import TextStream
 from optimize.quiet import LogOutput, console
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def _stderr(msg: str) -> None:
 
 def sampling_from(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                   seed: int | None = None) -> Sampling | None:
-    """``optimize run``'s sampling flags as a :class:`~export.sampling.Sampling` (None: greedy, the
+    """``optimize run``'s sampling flags as a :class:`~export.decoding.sampling.Sampling` (None: greedy, the
     default); top-k, top-p or a seed without a temperature above 0 are refused rather than ignored."""
     if temperature == 0:
         given = [f for f, v in (("--top-k", top_k), ("--top-p", top_p), ("--seed", seed)) if v is not None]
@@ -62,14 +62,14 @@ def generate_from_artifact(
     ``say`` gets one line with the C++ runner's own timing stats.
 
     ``speculative="ngram"`` decodes with prompt-lookup drafts verified several at a time
-    (:mod:`export.speculative`) through the artifact's verification path (a ``.pte``'s ``verify``
+    (:mod:`export.decoding.speculative`) through the artifact's verification path (a ``.pte``'s ``verify``
     method): the same tokens as plain greedy decoding of that artifact, in fewer reads of the
     weights where the answer copies its prompt; ``speculative="draft"`` drafts with the artifact's own
     draft model (the pipeline's ``draft`` block) where prompt lookup has nothing. ``say`` gets the
     drafts' stats. It runs the Python loop (ExecuTorch's C++ runner decodes one token a call), so
     ``runner="llm"`` is refused with it.
 
-    ``sampling`` (:class:`~export.sampling.Sampling`) samples instead of decoding greedily, in the
+    ``sampling`` (:class:`~export.decoding.sampling.Sampling`) samples instead of decoding greedily, in the
     Python loop, where a seed gives the same answer with or without ``speculative`` (drafts are kept
     by the standard rejection rule). ``runner="llm"`` samples in ExecuTorch's C++ runner instead,
     which takes a temperature only: top-k, top-p and a seed are refused there.
@@ -129,7 +129,7 @@ def _generate(artifact: Path, prompt: str, max_new_tokens: int, chat: bool, thre
         raise ValueError("--speculative decodes in the Python loop over the artifact's verify method; ExecuTorch's "
                          "C++ runner decodes one token a call (drop --runner llm, or use --speculative off)")
     if sampling is not None and not isinstance(sampling, Sampling):
-        raise TypeError(f"sampling must be an export.sampling.Sampling or None, got {type(sampling).__name__}")
+        raise TypeError(f"sampling must be an export.decoding.sampling.Sampling or None, got {type(sampling).__name__}")
     if sampling is not None and runner == "llm":
         extra = [f for f, v in (("--top-k", sampling.top_k), ("--top-p", sampling.top_p), ("--seed", sampling.seed))
                  if v is not None]

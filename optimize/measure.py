@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from export.runtime import EagerRunner, Runner, first_divergence, greedy_generate
+from export.decoding.runtime import EagerRunner, Runner, first_divergence, greedy_generate
 from export.verify import greedy_match, logits_parity
 from optimize.checks import baseline_cache
 from optimize.checks.accuracy import BaselineLogits, evaluate
@@ -147,8 +147,8 @@ def speculative_compare(runner: Runner, state: RunState) -> dict | None:
     """Where the artifact has a verification path (a ``.pte`` exported with ``verify_tokens``): prompt
     lookup through it against plain greedy decoding of the same artifact, on the greedy check's prompt
     said twice (so lookup has spans to copy), for at least 64 tokens. None where it has none."""
-    from export.runtime import RunnerError
-    from export.speculative import DraftLength, speculative_generate
+    from export.decoding.runtime import RunnerError
+    from export.decoding.speculative import DraftLength, speculative_generate
 
     try:
         fast = runner.speculative_runner()
@@ -175,10 +175,10 @@ def speculative_compare(runner: Runner, state: RunState) -> dict | None:
 
 
 def model_drafter(runner: Runner):
-    """A :class:`~export.drafters.ModelDrafter` over the artifact's own draft model (a ``.pte``'s
+    """A :class:`~export.decoding.drafters.ModelDrafter` over the artifact's own draft model (a ``.pte``'s
     ``draft`` method), or None where it has none."""
-    from export.runtime import RunnerError
-    from export.speculative import ModelDrafter
+    from export.decoding.runtime import RunnerError
+    from export.decoding.speculative import ModelDrafter
 
     try:
         return ModelDrafter(runner.draft_runner(), vocab_ids=runner.draft_vocab)

@@ -209,7 +209,7 @@ class ArchRun:
 
     def _export(self, name: str) -> Cell:
         from export.base import get_exporter
-        from export.runtime import EagerRunner
+        from export.decoding.runtime import EagerRunner
         from export.verify import logits_parity
 
         exporter = get_exporter(name)

@@ -40,10 +40,11 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: percentage points a perplexity gate must be met by (a quarter of a tight gate: 8da8w's 2%)
 MARGIN = 1.0
 #: example -> overrides that shorten it (see the module docstring for why the gate still holds)
-SHORTENED = {"qat": {"stages.0.steps": 3},
+SHORTENED = {"qat": {"stages.0.steps": 1},
              # the draft's teacher answers a few prompts and distils a few steps: its rows have no gates (the export
              # row judges a draft by how often the target keeps its tokens, which the exporters' tests prove)
-             "smollm2_speculative": {"draft.stages.1.steps": 3, "draft.stages.1.answers.prompts": 4,
+             "smollm2_speculative": {"draft.stages.0.calibration_windows": 1, "draft.stages.1.steps": 1,
+                                     "draft.stages.1.answers.prompts": 4,
                                      "draft.stages.1.answers.new_tokens": 16}}
 NOT_RUN = {"prune_distill": "a 25-minute distillation; measured by bench/compress.py",
            # the models people ship need `make qwen` (1.6 GB of part packages) and tens of minutes of GPTQ on 2 cores:

@@ -67,7 +67,7 @@ class _Recording:
 def probe(artifact: Path, prompts: list[list[int]], new_tokens: int, windows: list[list[int]], out: Path,
           threads: int | None = None) -> dict:
     """Greedy ids from each prompt and each window's NLL; logits saved to ``out/<tag>.npz``."""
-    from export.runtime import greedy_generate
+    from export.decoding.runtime import greedy_generate
 
     t0 = time.perf_counter()
     runner = open_runner(artifact, threads)

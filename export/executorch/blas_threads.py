@@ -124,7 +124,7 @@ def require_serial_mkl() -> None:
 
     if (torch.backends.mkl.is_available() and process_mkl() is None
             and os.environ.get("MKL_NUM_THREADS") != "1"):
-        from export.runtime import RunnerError
+        from export.decoding.runtime import RunnerError
 
         raise RunnerError("this torch build's MKL exposes no thread setter, and threaded MKL inside llama::custom_sdpa "
                           "makes decoding unrepeatable: set MKL_NUM_THREADS=1 before importing torch")

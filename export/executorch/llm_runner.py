@@ -19,7 +19,7 @@ The sharp edges this module owns:
   recovered from the pieces through that tokenizer's decode table, exactly; only a piece several
   ids give (special tokens) is ``None``, unless it is the EOS that ended generation. Text is the
   original tokenizer's decode of the ids (:meth:`NativeLLMRunner.decode`), streamed whole by
-  :class:`export.text_stream.TextStream`;
+  :class:`export.decoding.text_stream.TextStream`;
 - the C++ tokenizer may not encode a prompt as transformers does (BOS handling, special tokens):
   :meth:`NativeLLMRunner.prompt_for` finds the text/BOS setting that gives the same ids, or says
   why none does;
@@ -266,7 +266,7 @@ class NativeLLMRunner:
         """Greedy (temperature 0) from a clean cache: ``max_new_tokens`` tokens, fewer if an EOS id
         comes first (the runner's own rule: the token from prefill is never EOS-checked). A
         ``temperature`` above 0 samples with the runner's own sampler (unseeded: it has no seed,
-        top-k or top-p; ``export.sampling`` in the Python loop has them). ``on_id`` gets each token's
+        top-k or top-p; ``export.decoding.sampling`` in the Python loop has them). ``on_id`` gets each token's
         id as the runner produces it (None where several ids give its piece: the returned ids resolve
         the EOS that ended generation)."""
         from executorch.extension.llm.runner import GenerationConfig

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from export.executorch.blas_threads import require_serial_mkl, serial_torch
-from export.runtime import Runner, RunnerError, first_divergence, greedy_generate
+from export.decoding.runtime import Runner, RunnerError, first_divergence, greedy_generate
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from export.onnxruntime.package import _ship, _versions, check_onnx
 from export.onnxruntime.runner import MANIFEST, OnnxRuntimeRunner, onnx_files
 from export.onnxruntime.options import (DYNAMO_MODEL_TYPES, FUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES, session_config_entries,
                                         OnnxRuntimeOptions, _options, _resolve_graph)
-from export.runtime import EagerRunner, Runner
+from export.decoding.runtime import EagerRunner, Runner
 
 __all__ = ["DYNAMO_MODEL_TYPES", "FUSED_MODEL_TYPES", "OnnxRuntimeExporter", "OnnxRuntimeOptions", "OnnxRuntimeRunner",
            "check_onnx", "SUPPORTED_MODEL_TYPES"]

@@ -20,7 +20,7 @@ from export.base import ExportError
 from export.onnxruntime.fused import FusedPlan, install, op_counts, plan_model, write_hf_dir
 from export.onnxruntime.genai_builder import BuilderError, build
 from export.onnxruntime.options import session_config_entries
-from export.runtime import greedy_generate
+from export.decoding.runtime import greedy_generate
 
 GENAI_CONFIG = "genai_config.json"
 

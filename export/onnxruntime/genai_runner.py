@@ -21,7 +21,7 @@ import torch
 
 from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
 from export.onnxruntime.verify_rows import VERIFY, has_verify_rows, require_exact_rows
-from export.runtime import Runner, RunnerError
+from export.decoding.runtime import Runner, RunnerError
 
 log = logging.getLogger(__name__)
 

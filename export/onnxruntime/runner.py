@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from export.runtime import Runner, RunnerError
+from export.decoding.runtime import Runner, RunnerError
 from export.onnxruntime.int8_format import warn_if_saturates
 from export.onnxruntime.last_logits import ALL, ASK, LAST, split_head_io
 from export.onnxruntime.verify_rows import VERIFY, has_verify_rows, require_exact_rows

@@ -319,7 +319,7 @@ def check_rows(runner, tokens: int) -> str | None:
 def require_exact_rows(runner, name: str) -> None:
     """:func:`check_rows` for a runner's ``speculative_runner()``: a graph whose rows differ on this host is
     refused with what differed (``name``: the artifact, for the message)."""
-    from export.runtime import RunnerError
+    from export.decoding.runtime import RunnerError
 
     problem = check_rows(runner, runner.verify_tokens)
     if problem is not None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from export.base import ExportError
-from export.runtime import Runner, RunnerError
+from export.decoding.runtime import Runner, RunnerError
 
 #: metadata the runner needs besides TorchChat's own keys (all values are strings in AOTI)
 META_KEYS = ("tokenizer_type", "get_max_seq_len", "get_vocab_size", "get_bos_id", "get_eos_ids")

@@ -31,7 +31,7 @@ from export.base import (
     eos_token_ids,
     package_versions,
 )
-from export.runtime import Runner
+from export.decoding.runtime import Runner
 from export.torchchat.layout import config_problems, meta_state_dict, torchchat_params
 from export.torchchat.runmd import quantization_summary, render_run_md, torchchat_quantize
 from targets.atomic import atomic_dir, sha256_file

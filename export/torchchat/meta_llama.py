@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.runtime import Runner, RunnerError
+from export.decoding.runtime import Runner, RunnerError
 
 #: params.json keys torchchat's TransformerArgs accepts (``rope_theta``/``n_kv_heads`` are renamed
 #: on load); anything else makes ``TransformerArgs(**params)`` raise.

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from export.runtime import Runner
+from export.decoding.runtime import Runner
 
 
 @dataclass

@@ -38,7 +38,7 @@ KEEP = 4
 RESULT = "result.json"
 TOP1 = "top1.pt"
 #: the code whose change changes the numbers
-_CODE = ("optimize/checks/accuracy.py", "export/runtime.py")
+_CODE = ("optimize/checks/accuracy.py", "export/decoding/runtime.py")
 
 
 def cache_dir() -> Path:

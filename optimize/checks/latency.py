@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from export.runtime import Runner
+from export.decoding.runtime import Runner
 from export.verify import latency
 from optimize.device import model_device, synchronize
 

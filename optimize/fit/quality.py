@@ -17,7 +17,7 @@ import copy
 import math
 from typing import Any, Callable, Sequence
 
-from export.runtime import EagerRunner
+from export.decoding.runtime import EagerRunner
 from optimize.checks.accuracy import eval_windows, evaluate
 from optimize.fit import stages as fit_stages
 from targets.sources.corpus import split_data

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from export.runtime import EagerRunner
+from export.decoding.runtime import EagerRunner
 from optimize.checks.accuracy import BaselineLogits, evaluate
 from optimize.module_select import resolve_patterns
 from optimize.quant.fakequant import fake_quantized, scheme_for

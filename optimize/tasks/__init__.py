@@ -8,7 +8,7 @@
   files, the Hugging Face cache), never the network.
 - :mod:`optimize.tasks.catalog`: what a name means (the user's ``include_path``, the built-ins,
   lm-eval's index), ``load_tasks``, ``check_tasks`` (what ``optimize validate`` refuses), ``local_tasks``.
-- :mod:`optimize.tasks.adapter`: ``RunnerLM``, lm-eval's ``LM`` over an ``export.runtime.Runner``
+- :mod:`optimize.tasks.adapter`: ``RunnerLM``, lm-eval's ``LM`` over an ``export.decoding.runtime.Runner``
   (every output type; generation greedy).
 - :mod:`optimize.tasks.evaluate`: ``evaluate_tasks(runner, tokenizer, names, ...)`` -> ``TaskScore`` list.
 - :mod:`optimize.tasks.scores`: ``TaskScore`` (a task's or group's metrics in their own units).

@@ -1,4 +1,4 @@
-"""An ``lm_eval.api.model.LM`` over any :class:`export.runtime.Runner`.
+"""An ``lm_eval.api.model.LM`` over any :class:`export.decoding.runtime.Runner`.
 
 Every runtime the project exports to (eager PyTorch, ExecuTorch ``.pte``, ONNX Runtime, TorchChat)
 has a Runner, so one adapter scores lm-eval's tasks in each of them, from the runtime's own logits.

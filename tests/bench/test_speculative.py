@@ -29,7 +29,7 @@ def tiny_runner(tiny_config):
     said twice."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
 
     cfg = dict(tiny_config("llama"), vocab_size=512)
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def test_sampled_rows_share_the_prompts_seed(speculative, tiny_runner):
     equal (and not greedy's); a bad setting is refused before anything loads."""
     runner, ids = tiny_runner
     greedy, _, _ = speculative.decode_plain(runner, ids, [])
-    from export.sampling import Sampling
+    from export.decoding.sampling import Sampling
 
     speculative.SAMPLING = Sampling(temperature=0.8, top_p=0.95)
     try:

@@ -108,8 +108,8 @@ def real_text_prompts(text: list[int], cache: int) -> list[list[int]]:
 def assert_keeps_plain_greedy(plain, fast, prompts: list[list[int]], cache: int) -> tuple[int, int]:
     """Speculative decoding through ``fast`` gives ``plain``'s greedy tokens on every prompt, each run until
     the cache is full (no EOS); returns (drafted, accepted) over all of them."""
-    from export.runtime import greedy_generate
-    from export.speculative import DraftLength, speculative_generate
+    from export.decoding.runtime import greedy_generate
+    from export.decoding.speculative import DraftLength, speculative_generate
 
     drafted = accepted = 0
     for prompt in prompts:
@@ -123,7 +123,7 @@ def assert_keeps_plain_greedy(plain, fast, prompts: list[list[int]], cache: int)
 
 def fixed_policy(**kw):
     """A draft policy priced by its cost line, not by timing the calls (so tests are deterministic)."""
-    from export.draft_policy import DraftLength
+    from export.decoding.draft_policy import DraftLength
 
     return DraftLength(measure=False, **kw)
 
@@ -134,7 +134,7 @@ def scripted_runner(logits_after):
     the decoding loops' tests, where the model's answer must be known in closed form."""
     import torch
 
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
 
     class Scripted(EagerRunner):
         def __init__(self):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from export.runtime import EagerRunner, Runner
+from export.decoding.runtime import EagerRunner, Runner
 from export.verify import greedy_match, latency, logits_parity, perplexity
 
 

@@ -144,7 +144,7 @@ def _raiser(exc):
 
 def _expected_errors():
     from export.base import ExportError
-    from export.runtime import RunnerError
+    from export.decoding.runtime import RunnerError
     from optimize.checkpoints import CheckpointError
     from optimize.errors import ConfigError
     from optimize.rewrites.ln_plans import RewriteRefused
@@ -180,7 +180,7 @@ def test_expected_errors_print_one_line_and_traceback_only_with_v(index, monkeyp
 
 
 def test_value_error_raised_by_our_code_is_expected_but_a_library_bug_keeps_its_traceback(monkeypatch, capsys):
-    from export.runtime import greedy_generate
+    from export.decoding.runtime import greedy_generate
 
     def ours(args):
         greedy_generate(None, [], 4)  # raises ValueError on purpose, inside our package

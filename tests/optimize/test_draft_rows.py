@@ -13,7 +13,7 @@ from optimize import load_config, run_pipeline
 from optimize.errors import ConfigError
 
 MODEL = {"source": "random", "config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                                        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                         "vocab_size": 49152, "initializer_range": 0.2}}
 DRAFT_STAGES = [{"kind": "prune", "method": "depth", "num_hidden_layers": 1},
                 {"kind": "distill", "steps": 3, "seq_len": 64, "frozen": ["embeddings"]},

@@ -16,7 +16,7 @@ import yaml
 
 from export import base as export_base
 from export.base import ExportOptions, ExportResult, Exporter
-from export.runtime import EagerRunner
+from export.decoding.runtime import EagerRunner
 from optimize import load_config, run_pipeline
 
 CALLS: list[Path] = []

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from export.base import get_exporter
-from export.runtime import EagerRunner, generate_ids, greedy_generate
-from export.sampling import Sampling
+from export.decoding.runtime import EagerRunner, generate_ids, greedy_generate
+from export.decoding.sampling import Sampling
 from optimize.cli import main
 from optimize.generate import generate_from_artifact
 from targets.sources import RandomSource, load_model
@@ -188,7 +188,7 @@ def test_sampling_flags_are_checked_before_anything_loads(tmp_path, capsys):
 
 @pytest.mark.slow  # the module's exports
 def test_run_samples_what_the_seed_draws(scripted, scripted_exports, smollm2_tokenizer, capsys):
-    """--temperature/--top-k/--seed through the Python loop (an ONNX export): the tokens export.sampling
+    """--temperature/--top-k/--seed through the Python loop (an ONNX export): the tokens export.decoding.sampling
     draws from the eager model's logits with that seed. With --speculative, the same answer:
     tests/export/executorch/test_runner.py (.pte) and tests/export/onnxruntime/test_verify_rows.py."""
     prompt = "the cat sat on the mat, the cat sat on the"  # ends off the script: the head's noise is sampled

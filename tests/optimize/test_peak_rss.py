@@ -23,7 +23,7 @@ def _windows(n: int, length: int, vocab: int, seed: int = 0) -> list[torch.Tenso
 def test_baseline_logprobs_on_disk_score_exactly_as_in_memory(tiny_llama, tmp_path):
     """With a directory the log-probabilities leave memory window by window, and a later model
     scored against them gets the very same perplexity, agreement and KL."""
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from optimize.checks.accuracy import BaselineLogits, evaluate
 
     model = tiny_llama.eval()

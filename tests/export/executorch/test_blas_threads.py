@@ -65,7 +65,7 @@ def test_mkl_is_serial_on_every_thread_inside_serial_torch_and_restored_after():
 
 
 def test_a_torch_whose_mkl_cannot_be_made_serial_is_refused_in_one_line(monkeypatch):
-    from export.runtime import RunnerError
+    from export.decoding.runtime import RunnerError
 
     monkeypatch.setattr(blas_threads, "process_mkl", lambda: None)
     monkeypatch.setenv("MKL_NUM_THREADS", "2")

@@ -14,7 +14,7 @@ from targets.atomic import sha256_file
 from export.base import ExportError, exporter_for_artifact, get_exporter
 from export.executorch.exporter import ExecuTorchExporter, ExecuTorchOptions, apply_quantization, quantization_mix
 from export.executorch.runner import ExecuTorchRunner
-from export.runtime import EagerRunner, RunnerError, greedy_generate
+from export.decoding.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import greedy_match, logits_parity
 from tests.export.conftest import TINY_LLAMA as TINY, quiet as _quiet  # ``tiny`` is the conftest's fixture
 

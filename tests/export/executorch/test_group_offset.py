@@ -100,18 +100,30 @@ def test_exported_graph_merges_the_shared_offset_paths():
     assert merge_duplicate_linears(ep_fused) == 2 * 3 * 2  # per layer: 3 int4 and 3 offset linears gone
 
 
+class _Tok:
+    eos_token_id, bos_token_id, pad_token_id = 2, 1, 0
+
+
+@pytest.fixture(scope="module")
+def plain_delegation():
+    """How plain int4 (no offset) lowers: the delegation both offsets are compared with, lowered once."""
+    from export.executorch.exporter import ExecuTorchOptions, lower_to_pte
+
+    return lower_to_pte(_plain_int4(), _Tok(), ExecuTorchOptions(max_seq_len=32, quantize="none"),
+                        log=lambda *_: None)[1]["delegation"]
+
+
 @pytest.mark.slow
-@pytest.mark.minutes(1.3)
+# both offsets on one worker, one after the other (a chain of `minutes`, tests/conftest.py): plain_delegation made once
+@pytest.mark.minutes(1.1, chain="group-offset-pte")
 @pytest.mark.parametrize("offset", ["int8", "fp32"])
-def test_pte_gives_the_eager_logits(offset, tmp_path):
+def test_pte_gives_the_eager_logits(offset, plain_delegation, tmp_path):
     from export.executorch.exporter import ExecuTorchOptions, lower_to_pte
     from export.executorch.runner import ExecuTorchRunner
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import logits_parity
 
-    class Tok:
-        eos_token_id, bos_token_id, pad_token_id = 2, 1, 0
-
+    Tok = _Tok
     model = _grid_model("llama", offset)
     data, details = lower_to_pte(model, Tok(), ExecuTorchOptions(max_seq_len=32, quantize="none"), log=lambda *_: None)
     (tmp_path / "m.pte").write_bytes(data)
@@ -119,8 +131,7 @@ def test_pte_gives_the_eager_logits(offset, tmp_path):
     parity = logits_parity(EagerRunner(model), ExecuTorchRunner(tmp_path / "m.pte"), [ids[:1], ids[:9], ids])
     assert parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 5e-2, parity
     portable = details["delegation"]["portable_ops"]
-    plain = lower_to_pte(_plain_int4(), Tok(), ExecuTorchOptions(max_seq_len=32, quantize="none"),
-                         log=lambda *_: None)[1]["delegation"]
+    plain = plain_delegation
     # the offset paths stay inside the delegate, their adds included (o_proj's and down_proj's have
     # the residual's shape, and are told apart from it): as many delegate calls as plain int4 and
     # the same portable kernels

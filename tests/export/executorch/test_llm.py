@@ -17,7 +17,7 @@ import torch
 from export.base import ExportError
 from export.executorch.exporter import ExecuTorchExporter, ExecuTorchOptions, lower_to_pte
 from export.executorch.runner import ExecuTorchRunner
-from export.runtime import EagerRunner, RunnerError, greedy_generate
+from export.decoding.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import logits_parity
 
 pytestmark = pytest.mark.timeout(1800)
@@ -146,7 +146,7 @@ def test_greedy_to_the_end_of_the_cache(lowered, ids, family):
 def test_whole_cache_in_one_prefill(lowered, ids, logits):
     """A full-attention program takes max_seq_len tokens in one call (not max_seq_len - 1) and
     returns the last position's logits (``logits: last``, the default) or every position's."""
-    model, path, details = lowered("qwen3", logits)
+    model, path, details = lowered("qwen2", logits)  # the programs test_all_position_logits_in_chunks also reads
     runner = ExecuTorchRunner(path)
     assert details["metadata"]["get_max_prefill_chunk"] == MAX_SEQ_LEN == runner.max_chunk
     assert details["llm_ops"]["logits"] == logits and runner.all_positions == (logits == "all")

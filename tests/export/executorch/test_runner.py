@@ -18,7 +18,7 @@ import torch
 from export.executorch.exporter import ExecuTorchExporter
 from export.executorch.llm_runner import LLMRunnerUnavailable, unavailable_reason
 from export.executorch.runner import ExecuTorchRunner
-from export.runtime import EagerRunner, RunnerError, greedy_generate
+from export.decoding.runtime import EagerRunner, RunnerError, greedy_generate
 from optimize.generate import generate_from_artifact
 
 # initializer_range 0.2 makes greedy decoding vary token to token (a broken cache cannot hide)
@@ -349,7 +349,7 @@ import json, threading, torch
 torch.set_num_threads(2)
 from export.executorch import blas_threads
 from export.executorch.runner import ExecuTorchRunner
-from export.runtime import greedy_generate
+from export.decoding.runtime import greedy_generate
 runner = ExecuTorchRunner({str(pte)!r})
 seen = []
 class Spy:

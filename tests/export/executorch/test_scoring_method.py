@@ -60,7 +60,7 @@ def test_forward_all_returns_every_position_as_forward_does_one_at_a_time(scored
 def test_speculative_decoding_is_refused_without_the_verify_method(scored):
     """forward_all's several-token calls attend a block of rows at once, which does not give one-token
     calls' logits bit for bit: speculative decoding asks for verify and names the option."""
-    from export.runtime import RunnerError
+    from export.decoding.runtime import RunnerError
 
     _, res = scored
     with pytest.raises(RunnerError, match="verify_tokens"):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from export.executorch.runner import VERIFY_METHOD, ExecuTorchRunner
-from export.runtime import RunnerError, generate_ids, greedy_generate
-from export.sampling import Sampling
-from export.speculative import DraftLength, speculative_generate
+from export.decoding.runtime import RunnerError, generate_ids, greedy_generate
+from export.decoding.sampling import Sampling
+from export.decoding.speculative import DraftLength, speculative_generate
 from tests.export.conftest import assert_keeps_plain_greedy, real_text_prompts
 
 MAX_SEQ_LEN = 96
@@ -51,7 +51,9 @@ def _prompts() -> list[list[int]]:
     return [passage * 3, rand, passage + rand[:7] + passage]
 
 
-@pytest.mark.minutes(0.8)
+# the three tests of the module's small_vocab_pte are one chain of `minutes` (tests/conftest.py): on one worker, one
+# after another, so its lowering is made once (scheduled apart, the module fixture was made three times)
+@pytest.mark.minutes(0.8, chain="small-vocab-pte")
 @pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_the_same_tokens_as_plain_greedy_of_the_same_program(small_vocab_pte):
     path, details = small_vocab_pte
@@ -70,7 +72,7 @@ def test_the_same_tokens_as_plain_greedy_of_the_same_program(small_vocab_pte):
         calls, after_prefill = calls + stats.calls, after_prefill + len(fast) - 1
     # drafts were verified, some kept and some cut back from the cache: fewer calls than tokens
     assert 0 < accepted < drafted and calls < after_prefill
-    # sampled: the tokens plain sampling draws with the same seed (export.sampling), to the end of the cache
+    # sampled: the tokens plain sampling draws with the same seed (export.decoding.sampling), to the end of the cache
     drafted = accepted = 0
     for seed, prompt in enumerate(_prompts() * 2):
         s = Sampling(temperature=0.1, top_p=0.95, seed=seed)
@@ -115,7 +117,7 @@ def test_verify_gives_one_token_logits_bit_for_bit(family, tmp_path_factory):
     assert chunk_gap < 1e-4  # forward's block attention is close, not exact (the gap is reported in the doc)
 
 
-@pytest.mark.minutes(0.5)
+@pytest.mark.minutes(0.5, chain="small-vocab-pte")
 @pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_cut_back_after_a_rejected_draft_continues_exactly(small_vocab_pte):
     """After a verify call the runner continues from fewer positions (a rejection): what follows is
@@ -134,6 +136,7 @@ def test_cut_back_after_a_rejected_draft_continues_exactly(small_vocab_pte):
     assert torch.equal(fast.forward(ids[31:34]), want[1:])
 
 
+@pytest.mark.minutes(0.05, chain="small-vocab-pte")
 @pytest.mark.slow  # over 5 s on the CI host: make test-fast skips it
 def test_only_a_forward_runner_continues_into_verify(small_vocab_pte):
     path, _ = small_vocab_pte

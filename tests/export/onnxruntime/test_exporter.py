@@ -18,7 +18,7 @@ from export.base import ExportError, get_exporter
 from export.onnxruntime.exporter import OnnxRuntimeExporter, OnnxRuntimeOptions, OnnxRuntimeRunner, check_onnx
 from export.onnxruntime.options import _resolve_graph
 from export.onnxruntime.int8_format import host_u8s8_saturates
-from export.runtime import EagerRunner, RunnerError, greedy_generate
+from export.decoding.runtime import EagerRunner, RunnerError, greedy_generate
 from export.verify import greedy_match, logits_parity
 from tests.export.conftest import TINY_LLAMA as TINY, quiet as _quiet  # ``tiny`` is the conftest's fixture
 

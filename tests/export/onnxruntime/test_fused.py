@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from export.base import ExportError, exporter_for_artifact
 from export.onnxruntime.exporter import FUSED_MODEL_TYPES, OnnxRuntimeExporter, OnnxRuntimeOptions
-from export.runtime import EagerRunner, greedy_generate
+from export.decoding.runtime import EagerRunner, greedy_generate
 from export.verify import greedy_match, logits_parity
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

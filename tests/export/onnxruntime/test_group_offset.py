@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from export.onnxruntime.exporter import OnnxRuntimeExporter
-from export.runtime import EagerRunner
+from export.decoding.runtime import EagerRunner
 from export.verify import logits_parity
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -15,7 +15,7 @@ import torch
 from export.onnxruntime.exporter import OnnxRuntimeExporter
 from export.onnxruntime.genai_runner import GenaiRunner, genai_greedy
 from export.onnxruntime.last_logits import ALL, ASK, LAST
-from export.runtime import greedy_generate
+from export.decoding.runtime import greedy_generate
 
 IDS = torch.arange(1, 41) * 37 % 4000
 W8A8 = {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True}

@@ -13,9 +13,9 @@ import torch
 from export.onnxruntime.exporter import OnnxRuntimeExporter
 from export.onnxruntime.runner import OnnxRuntimeRunner
 from export.onnxruntime.verify_rows import VERIFY
-from export.runtime import RunnerError, generate_ids, greedy_generate
-from export.sampling import Sampling
-from export.speculative import DraftLength, speculative_generate
+from export.decoding.runtime import RunnerError, generate_ids, greedy_generate
+from export.decoding.sampling import Sampling
+from export.decoding.speculative import DraftLength, speculative_generate
 from tests.export.conftest import assert_keeps_plain_greedy, real_text_prompts
 
 W8A8 = {"quantize": "dynamic_per_token", "quantize_lm_head": True, "quantize_embedding": True}
@@ -102,7 +102,7 @@ def test_speculative_decoding_keeps_plain_greedy_tokens(exports, key):
             assert len(plain) == 160 - len(prompt) + 1
             drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
         assert accepted > 0 and drafted > 0, (name, key)
-        # sampled: the tokens plain sampling draws with the same seed (export.sampling), drafts kept
+        # sampled: the tokens plain sampling draws with the same seed (export.decoding.sampling), drafts kept
         drafted = accepted = 0
         for seed, prompt in enumerate(_prompts()):
             s = Sampling(temperature=0.3, top_k=40, seed=seed)
@@ -231,7 +231,8 @@ def test_verify_tokens_is_refused_where_it_cannot_work():
 @pytest.mark.slow
 @pytest.mark.minutes(2.0)
 def test_smollm2_int4_keeps_plain_greedy_tokens(smollm2_loaded, smollm2_tokenizer, pydoc_splits, tmp_path):
-    """SmolLM2's real weights, all 30 layers, int4 g32 (round to nearest) with a 256-position cache: a
+    """SmolLM2's real weights, all 30 layers, int4 g32 (round to nearest) with a 128-position cache (the
+    ExecuTorch twin's; the tiny exports above run past 128 positions): a
     verification call's rows are one-token calls' logits bit for bit, and prompt lookup through them gives
     plain greedy's tokens on 12 prompts through onnxruntime-genai, several running until the cache is full."""
     import copy
@@ -241,7 +242,7 @@ def test_smollm2_int4_keeps_plain_greedy_tokens(smollm2_loaded, smollm2_tokenize
     model = copy.deepcopy(smollm2_loaded.model)
     quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
               lambda m, fqn: isinstance(m, torch.nn.Linear) and "lm_head" not in fqn)
-    res = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "smol", {"max_seq_len": 256,
+    res = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "smol", {"max_seq_len": 128,
                                                                                     "verify_tokens": 5}, log=_quiet)
     plain = OnnxRuntimeExporter().load(res.artifact.parent)  # onnxruntime-genai, as apps run it
     fast = plain.speculative_runner()
@@ -253,7 +254,7 @@ def test_smollm2_int4_keeps_plain_greedy_tokens(smollm2_loaded, smollm2_tokenize
     fast.forward(torch.tensor(text[:60]), all_logits=False)
     assert torch.equal(fast.forward(torch.tensor(text[60:65]), all_logits=True), one)
 
-    drafted, accepted = assert_keeps_plain_greedy(plain, fast, real_text_prompts(text, 256), 256)
+    drafted, accepted = assert_keeps_plain_greedy(plain, fast, real_text_prompts(text, 128), 128)
     assert accepted > 50 and accepted < drafted
 
 
@@ -282,8 +283,8 @@ GUEST = '''
 import json, sys
 import torch
 from export.onnxruntime.runner import OnnxRuntimeRunner
-from export.runtime import RunnerError, greedy_generate
-from export.speculative import DraftLength, speculative_generate
+from export.decoding.runtime import RunnerError, greedy_generate
+from export.decoding.speculative import DraftLength, speculative_generate
 
 out = {}
 for path in sys.argv[1:]:

@@ -354,7 +354,7 @@ def test_the_teacher_answers_its_prompts_and_the_student_trains_on_them(tmp_path
     """data: teacher_answers: prompts made from the training text, in the chat template, each followed by the
     teacher's own greedy answer (what plain greedy decoding gives), cached for a resumed run; the student then
     trains on them and agrees with the teacher's answers more often."""
-    from export.runtime import EagerRunner, greedy_generate
+    from export.decoding.runtime import EagerRunner, greedy_generate
     from optimize.teacher_answers import TeacherAnswers, teacher_answers
 
     teacher = tiny(vocab=49152)

@@ -203,7 +203,7 @@ def test_refused_at_validation_and_planned_kv_heads_flow_on(tiny_cfg):
 
 def perplexity(model, ids: torch.Tensor, window: int = 512) -> float:
     """The pipeline's own perplexity (export.verify: non-overlapping windows, summed NLL)."""
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import perplexity as runner_perplexity
 
     return runner_perplexity(EagerRunner(model), ids, window)["perplexity"]

@@ -198,7 +198,7 @@ CASES = {
 def test_pruned_model_reloads_and_exports_smaller(family, tmp_path, smollm2_tokenizer):
     from export.executorch.exporter import ExecuTorchExporter
     from export.onnxruntime.exporter import OnnxRuntimeExporter
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import logits_parity
     from targets.sources import RandomSource, load_model
 

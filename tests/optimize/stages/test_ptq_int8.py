@@ -236,7 +236,7 @@ def test_smollm2_8da8w_default_within_2pct(smollm2_loaded, pydoc_splits):
 
     1024 eval targets in two 512-token windows: eager torchao int8 is slow on this CPU.
     """
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import perplexity
 
     ids = pydoc_splits.eval_ids[:1025]

@@ -189,7 +189,7 @@ def test_qat_model_exports_to_pte_matching_eager(tmp_path):
     reference (see tests/export/executorch/test_exporter.py); measured here: max diff 0.0077 on logits up
     to 0.85 (0.9%), top-1 agreement 100%. The bound leaves 2x margin."""
     from export.executorch.exporter import ExecuTorchExporter
-    from export.runtime import EagerRunner
+    from export.decoding.runtime import EagerRunner
     from export.verify import logits_parity
     from targets.sources import RandomSource, load_model
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("lm_eval", reason="pip install 'lm-eval==0.4.13'")
 
-from export.runtime import EagerRunner  # noqa: E402
+from export.decoding.runtime import EagerRunner  # noqa: E402
 from optimize.tasks.data import missing_packages  # noqa: E402
 
 TOL = 1e-4

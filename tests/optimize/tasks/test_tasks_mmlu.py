@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from export.runtime import EagerRunner
+from export.decoding.runtime import EagerRunner
 from optimize.tasks.data import missing_packages
 
 pytestmark = pytest.mark.skipif(bool(missing_packages()), reason="; ".join(missing_packages()))

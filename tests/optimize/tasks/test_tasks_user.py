@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from export.runtime import EagerRunner
+from export.decoding.runtime import EagerRunner
 from optimize.tasks.data import missing_packages
 from tests.optimize.tasks.user_tasks import SENTENCES, TASKS, requests_by_type, write_user_tasks
 

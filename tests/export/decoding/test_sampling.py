@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from export.runtime import generate_ids
-from export.sampling import CANDIDATE_WEIGHT, Sampling, TokenSampler
-from export.speculative import NgramDrafter, speculative_generate
+from export.decoding.runtime import generate_ids
+from export.decoding.sampling import CANDIDATE_WEIGHT, Sampling, TokenSampler
+from export.decoding.speculative import NgramDrafter, speculative_generate
 from tests.export.conftest import fixed_policy, scripted_runner
 
 

@@ -120,7 +120,7 @@ class TokenSampler:
 
 
 def _rows(logits) -> np.ndarray:
-    if hasattr(logits, "detach"):  # a torch tensor, read without torch's thread pool (export.runtime.argmax_ids)
+    if hasattr(logits, "detach"):  # a torch tensor, read without torch's thread pool (runtime.argmax_ids)
         logits = logits.detach().to("cpu").float().numpy()
     rows = np.asarray(logits)
     return rows.reshape(-1, rows.shape[-1])

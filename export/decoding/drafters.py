@@ -1,10 +1,10 @@
-"""What a speculative decoding loop verifies: the drafters (:mod:`export.speculative` runs the loop).
+"""What a speculative decoding loop verifies: the drafters (:mod:`export.decoding.speculative` runs the loop).
 
 :class:`NgramDrafter` (prompt lookup: what followed the latest earlier occurrence of the context's
 last n-gram; no model, strong where the answer copies its input), :class:`ModelDrafter` (a small
 draft model's own greedy tokens, through a runner of its own: a ``.pte``'s ``draft`` method, made by
 the pipeline's ``draft`` block), and :class:`HybridDrafter` (prompt lookup where it matches, the
-draft model elsewhere). Each asks the loop's :class:`~export.draft_policy.DraftLength` how many
+draft model elsewhere). Each asks the loop's :class:`~export.decoding.draft_policy.DraftLength` how many
 tokens are worth verifying.
 """
 
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Iterable, Protocol
 import numpy as np
 import torch
 
-from export.runtime import Runner, argmax_ids
+from export.decoding.runtime import Runner, argmax_ids
 
 if TYPE_CHECKING:
-    from export.draft_policy import DraftLength
+    from export.decoding.draft_policy import DraftLength
 
 
 class Drafter(Protocol):
@@ -99,7 +99,7 @@ MODEL_SOURCE = "model"
 
 
 class ModelDrafter:
-    """A draft model's greedy tokens: ``runner`` (a :class:`~export.runtime.Runner` over the draft: a
+    """A draft model's greedy tokens: ``runner`` (a :class:`~export.decoding.runtime.Runner` over the draft: a
     ``.pte``'s ``draft`` method, or any causal LM sharing the target's tokenizer) decodes up to ``k``
     tokens after the context, one call each, stopping early where its own top probability falls below
     ``stop_below`` (an unsure draft token is likely rejected, and each one costs a call).

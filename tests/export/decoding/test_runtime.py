@@ -1,11 +1,11 @@
-"""export/runtime.py's helpers that every decoding loop shares."""
+"""export/decoding/runtime.py's helpers that every decoding loop shares."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from export.runtime import argmax_ids
+from export.decoding.runtime import argmax_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

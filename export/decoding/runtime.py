@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from export.sampling import Sampling, TokenSampler
+from export.decoding.sampling import Sampling, TokenSampler
 
 
 class RunnerError(RuntimeError):
@@ -41,7 +41,7 @@ class Runner(abc.ABC):
     max_seq_len: int | None = None
     #: the most tokens one call of speculative_runner()'s verification path takes (None: unbounded)
     verify_tokens: int | None = None
-    #: speculative decoding's draft policy for this runner (:class:`export.speculative.DraftLength`),
+    #: speculative decoding's draft policy for this runner (:class:`export.decoding.speculative.DraftLength`),
     #: kept across generations: the call times it measures are this artifact's
     draft_policy = None
 
@@ -141,7 +141,7 @@ class Runner(abc.ABC):
     def speculative_runner(self) -> "Runner":
         """A runner over the same artifact whose calls of several tokens give, at every position, the
         logits one-token calls give, bit for bit, and whose cache cuts back exactly: what
-        :func:`export.speculative.speculative_generate` needs to keep plain greedy decoding's tokens.
+        :func:`export.decoding.speculative.speculative_generate` needs to keep plain greedy decoding's tokens.
         Refused (:class:`RunnerError`, with the reason) where this runtime has no such path."""
         raise RunnerError(f"{self.runtime} has no verification path whose several-token calls give one-token "
                           "calls' logits bit for bit; speculative decoding would not keep plain greedy's tokens "
@@ -222,8 +222,8 @@ def generate_ids(
     on_token: Callable[[int], None] | None = None,
 ) -> list[int]:
     """Decode ``max_new_tokens`` after ``prompt_ids``, greedily (``sampling`` None) or sampled
-    (:class:`export.sampling.Sampling`: one draw per token from its seed, so
-    :func:`export.speculative.speculative_generate` with the same ``sampling`` emits the same tokens);
+    (:class:`export.decoding.sampling.Sampling`: one draw per token from its seed, so
+    :func:`export.decoding.speculative.speculative_generate` with the same ``sampling`` emits the same tokens);
     returns only the new ids. Stops as :func:`greedy_generate` does."""
     ids = checked_prompt(runner, prompt_ids, "greedy_generate" if sampling is None else "generate_ids")
     choose = (lambda row: argmax_ids(row)[0]) if sampling is None else TokenSampler(sampling).choose

@@ -7,7 +7,7 @@ drafts that equals the target's own greedy choice at each position is kept, plus
 choice after it. Rejected positions are cut from the KV cache (:meth:`Runner.truncate`). Every
 kept token is the target's argmax given the tokens before it, so where a position's logits do not
 depend on how many tokens a call feeds (eager fp32; tested), the output is plain greedy decoding's
-(:func:`export.runtime.greedy_generate`), token for token, with the same stops: an EOS id,
+(:func:`export.decoding.runtime.greedy_generate`), token for token, with the same stops: an EOS id,
 ``max_new_tokens``, and a full cache. A runtime's ordinary several-token call need not give that:
 ExecuTorch's attention kernel sums a block of query rows in another order than one row, and in a
 program with dynamically quantized activations the difference flips roundings (SmolLM2 8da4w: a few
@@ -15,13 +15,13 @@ percent of the logit scale, and greedy output that diverges within tens of token
 on :meth:`Runner.speculative_runner`, whose verification calls give one-token calls' logits bit for
 bit (a ``.pte``'s ``verify`` method, exported with ``verify_tokens``: attention row by row).
 
-Drafters (:mod:`export.drafters`): :class:`NgramDrafter` (prompt lookup: what followed the latest
+Drafters (:mod:`export.decoding.drafters`): :class:`NgramDrafter` (prompt lookup: what followed the latest
 earlier occurrence of the context's last n-gram; no model, strong where the answer copies its input),
 :class:`ModelDrafter` (a small draft model's own greedy tokens, through a runner of its own: a
 ``.pte``'s ``draft`` method, made by the pipeline's ``draft`` block), and :class:`HybridDrafter`
 (prompt lookup where it matches, the draft model elsewhere).
 
-The draft length adapts (:class:`~export.draft_policy.DraftLength`): each proposal is cut to the
+The draft length adapts (:class:`~export.decoding.draft_policy.DraftLength`): each proposal is cut to the
 length that earns the most tokens per second, from the acceptance its source has had and the
 measured time of the runner's calls by length; where no length pays, steps are plain (one token
 through the ordinary forward), so a prompt where drafts fail costs plain decoding's steps plus a
@@ -29,7 +29,7 @@ dictionary lookup per token. A lookup proposal the policy declines is still chec
 tokens the target emits (free), so the policy notices when copying resumes; a draft model's source,
 whose proposals cost calls, gets a short paid probe now and then instead.
 
-Sampling (``sampling=``, :mod:`export.sampling`): the target's token at each position is drawn from
+Sampling (``sampling=``, :mod:`export.decoding.sampling`): the target's token at each position is drawn from
 its warped distribution by the inverse CDF of one uniform number per emitted token, and a draft token
 is kept when it is that token. For a deterministic draft that is the standard rejection rule (keep
 ``x`` with probability ``p(x)``, else sample ``p`` without ``x``), so the output follows the target's
@@ -45,10 +45,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from export.draft_policy import PROBE_BACKOFF, TIMED_CALLS, DraftLength
-from export.drafters import MODEL_SOURCE, Drafter, HybridDrafter, ModelDrafter, NgramDrafter
-from export.runtime import Runner, RunnerError, argmax_ids, checked_prompt
-from export.sampling import Sampling, TokenSampler
+from export.decoding.draft_policy import PROBE_BACKOFF, TIMED_CALLS, DraftLength
+from export.decoding.drafters import MODEL_SOURCE, Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from export.decoding.runtime import Runner, RunnerError, argmax_ids, checked_prompt
+from export.decoding.sampling import Sampling, TokenSampler
 
 #: the drafters and the policy are imported from here by the API's users (this module predates the split)
 __all__ = ["MODEL_SOURCE", "PROBE_BACKOFF", "TIMED_CALLS", "DraftLength", "Drafter", "HybridDrafter", "ModelDrafter",
@@ -94,11 +94,11 @@ def speculative_generate(
     sampling: Sampling | None = None,
 ) -> tuple[list[int], SpeculativeStats]:
     """Greedy decoding of ``max_new_tokens`` after ``prompt_ids`` with drafts verified in one call
-    each; returns the new ids (exactly :func:`~export.runtime.greedy_generate`'s) and the stats.
+    each; returns the new ids (exactly :func:`~export.decoding.runtime.greedy_generate`'s) and the stats.
 
-    With ``sampling`` the target's token at each position is sampled instead (:mod:`export.sampling`:
+    With ``sampling`` the target's token at each position is sampled instead (:mod:`export.decoding.sampling`:
     the standard rejection rule for a deterministic draft, one draw per emitted token), and the new
-    ids are exactly :func:`~export.runtime.generate_ids`' with the same ``sampling`` (its seed included).
+    ids are exactly :func:`~export.decoding.runtime.generate_ids`' with the same ``sampling`` (its seed included).
 
     The runner must return every fed position's logits (``forward(..., all_logits=True)``) and cut
     its cache back exactly (``truncate``); a runner that cannot is refused with the reason. Without a

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from export.drafters import NgramDrafter
+from export.decoding.drafters import NgramDrafter
 
 
 def _brute_force(ids: list[int], k: int, max_n: int, min_n: int) -> list[int]:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from export.text_stream import REPLACEMENT, TextStream, stream_ids
+from export.decoding.text_stream import REPLACEMENT, TextStream, stream_ids
 
 TEXTS = ["こんにちは、元気ですか？", "わわわわ", "你好，世界。今天天气很好", "안녕하세요 여러분",
          "Emoji 🎉🎉 and 👩‍👩‍👧 family", "Le café est très bon.", "mixed ascii 日本 text\n\nnew 段落 ✓"]

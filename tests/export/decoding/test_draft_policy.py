@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from export.draft_policy import DraftLength
+from export.decoding.draft_policy import DraftLength
 from tests.export.conftest import fixed_policy as _fixed
 
 

@@ -1,7 +1,7 @@
 """Speculative greedy decoding gives plain greedy decoding's tokens, with fewer forward calls where
 the drafts are right.
 
-Every equality here is exact: the same token ids as :func:`export.runtime.greedy_generate` on the
+Every equality here is exact: the same token ids as :func:`export.decoding.runtime.greedy_generate` on the
 same runner, for Llama, Qwen2 and Gemma tiny models, with the stops plain decoding has (an EOS id,
 ``max_new_tokens``, a cache that fills up at ``max_seq_len``)."""
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export.runtime import EagerRunner, RunnerError, generate_ids, greedy_generate
-from export.sampling import Sampling
-from export.speculative import DraftLength, NgramDrafter, SpeculativeStats, speculative_generate
+from export.decoding.runtime import EagerRunner, RunnerError, generate_ids, greedy_generate
+from export.decoding.sampling import Sampling
+from export.decoding.speculative import DraftLength, NgramDrafter, SpeculativeStats, speculative_generate
 from tests.export.conftest import fixed_policy as _fixed, scripted_runner
 
 
@@ -86,7 +86,7 @@ def test_the_same_tokens_as_plain_greedy(family_model, max_seq_len, max_new):
 
 
 def test_sampled_the_same_tokens_as_plain_sampling_with_the_seed(family_model):
-    """Sampled (export.sampling), speculative decoding emits exactly what plain sampling emits with the
+    """Sampled (export.decoding.sampling), speculative decoding emits exactly what plain sampling emits with the
     same seed, to the end of a short cache and past EOS-free stops, with drafts both kept and cut back."""
     family, model = family_model
     runner = EagerRunner(model, max_seq_len=60)
@@ -190,7 +190,7 @@ def _draft_of(model, layers: int):
 
 @pytest.mark.parametrize("mode", ["model", "hybrid"])
 def test_a_draft_model_keeps_plain_greedy_tokens(family_model, mode):
-    from export.speculative import HybridDrafter, ModelDrafter
+    from export.decoding.speculative import HybridDrafter, ModelDrafter
 
     family, model = family_model
     runner = EagerRunner(model, max_seq_len=80)
@@ -212,7 +212,7 @@ def test_a_draft_model_keeps_plain_greedy_tokens(family_model, mode):
 def test_the_draft_follows_the_context_through_cut_backs():
     """After every verification the draft's cache holds a prefix of the context: rejected drafts are cut,
     and what the target emitted is fed with the next draft call."""
-    from export.speculative import ModelDrafter
+    from export.decoding.speculative import ModelDrafter
 
     torch.manual_seed(0)
     from tests.conftest import TINY_CONFIGS
@@ -236,7 +236,7 @@ def test_the_draft_follows_the_context_through_cut_backs():
 
 
 def test_an_unsure_draft_stops_early_and_a_partial_vocabulary_maps_back():
-    from export.speculative import ModelDrafter
+    from export.decoding.speculative import ModelDrafter
 
     class Fixed(EagerRunner):
         """A draft whose logits say: token 2 (index), sure for three calls, then unsure."""
