@@ -20,10 +20,17 @@ _spec.loader.exec_module(matrix)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
+#: families whose ExecuTorch cell (a lowering, fp32 logits against eager) a stricter test already proves on the same
+#: tiny shape: tests/export/executorch/test_llm.py (qwen2, qwen3, phi3, mixtral: two blocks, 1e-4, chunked calls)
+#: and test_exporter.py (llama: fp32 parity to 1e-4 and greedy); the matrix script still fills their cells
+EXECUTORCH_PROVEN_ELSEWHERE = {"llama", "qwen2", "qwen3", "phi3", "mixtral"}
+
+
 @pytest.mark.parametrize("arch", matrix.ARCHS)
 def test_every_cell_passes_or_is_a_clear_refusal(arch, tiny_config, tmp_path):
-    cells = matrix.ArchRun(arch, matrix.matrix_config(tiny_config(arch)), tmp_path).run()
-    assert list(cells) == matrix.COLUMNS
+    columns = [c for c in matrix.COLUMNS if not (c == "executorch" and arch in EXECUTORCH_PROVEN_ELSEWHERE)]
+    cells = matrix.ArchRun(arch, matrix.matrix_config(tiny_config(arch)), tmp_path).run(columns)
+    assert list(cells) == columns
     bad = {col: cell.note for col, cell in cells.items() if cell.status == matrix.FAIL}
     assert not bad, f"{arch}: " + "\n".join(f"{c}: {n}" for c, n in bad.items())
     for col, cell in cells.items():
