@@ -136,7 +136,7 @@ BUDGET_MINUTES = 40
 #: a test longer than this carries ``@pytest.mark.minutes(n)`` (the summary names any that does not)
 MARK_OVER_S = 60.0
 _TEST_SECONDS: dict[str, tuple[float, bool]] = {}
-#: per test worker ("gw0", ...; "main" without xdist): its first start, last stop and seconds inside tests
+#: per test worker ("gw0", ...; "main" without xdist): its last test's stop and its seconds inside tests
 _WORKER_SPANS: dict[str, list[float]] = {}
 
 
@@ -147,8 +147,8 @@ def pytest_runtest_logreport(report):
     _TEST_SECONDS[report.nodeid] = (took + report.duration, marked or "minutes" in report.keywords)
     node = getattr(report, "node", None)  # on the xdist controller: the worker that ran it
     worker = getattr(getattr(node, "gateway", None), "id", "main")
-    span = _WORKER_SPANS.setdefault(worker, [report.start, report.stop, 0.0])
-    span[0], span[1], span[2] = min(span[0], report.start), max(span[1], report.stop), span[2] + report.duration
+    span = _WORKER_SPANS.setdefault(worker, [report.stop, 0.0])
+    span[0], span[1] = max(span[0], report.stop), span[1] + report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -166,10 +166,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for s, n in unmarked:
         tr.write_line(f"unmarked: {n} took {s:.0f} s; mark it @pytest.mark.minutes({s / 60:.1f})")
     if _WORKER_SPANS:  # where the wall time went: a worker idle at the end is time the scheduling lost
-        end = max(span[1] for span in _WORKER_SPANS.values())
+        end = max(stop for stop, _busy in _WORKER_SPANS.values())
         tr.write_line("workers: " + "; ".join(
             f"{w} {busy:.0f} s in tests, done {end - stop:.0f} s before the last"
-            for w, (_start, stop, busy) in sorted(_WORKER_SPANS.items())))
+            for w, (stop, busy) in sorted(_WORKER_SPANS.items())))
 
 
 def _minutes(item) -> float:

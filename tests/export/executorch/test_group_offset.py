@@ -123,9 +123,8 @@ def test_pte_gives_the_eager_logits(offset, plain_delegation, tmp_path):
     from export.decoding.runtime import EagerRunner
     from export.verify import logits_parity
 
-    Tok = _Tok
     model = _grid_model("llama", offset)
-    data, details = lower_to_pte(model, Tok(), ExecuTorchOptions(max_seq_len=32, quantize="none"), log=lambda *_: None)
+    data, details = lower_to_pte(model, _Tok(), ExecuTorchOptions(max_seq_len=32, quantize="none"), log=lambda *_: None)
     (tmp_path / "m.pte").write_bytes(data)
     ids = torch.randint(3, 256, (32,), generator=torch.Generator().manual_seed(2))
     parity = logits_parity(EagerRunner(model), ExecuTorchRunner(tmp_path / "m.pte"), [ids[:1], ids[:9], ids])
