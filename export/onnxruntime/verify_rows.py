@@ -8,6 +8,9 @@ the same bits whatever rows surround it: constant-weight ``MatMul``, ``MatMulNBi
 them when ``verify_tokens`` is set), the norms, rotary, ``GatherBlockQuantized``, and the W8A8
 per-token chain, whose arithmetic is ``DynamicQuantizeMatMul``'s
 (:func:`export.onnxruntime.fused._per_token_nodes`).
+(The ``MatMulNBits`` property is the host's kernels': on a Zen 3 host with AVX2 and no AVX-512 a row of a
+5-row call moved by up to 2.4e-6 against the row alone, so there :func:`check_rows` refuses int4 exports,
+as it does on ARM64; docs/onnxruntime.md.)
 
 Inside the attention (ORT 1.31's CPU kernel, read in its source and measured): a one-token call runs
 ONNX Runtime's flash-attention decode kernel, whose hand-written dot products no graph of standard ops

@@ -187,14 +187,20 @@ def test_verify_tokens_is_bounded_by_the_schema():
 
 @pytest.mark.slow
 @pytest.mark.minutes(3.5)
-def test_smollm2_8da4w_keeps_plain_greedy_tokens_where_chunked_calls_do_not(smollm2_loaded, smollm2_tokenizer,
+def test_smollm2_8da4w_verify_equals_one_token_calls_and_keeps_plain_greedy(smollm2_loaded, smollm2_tokenizer,
                                                                              pydoc_splits, tmp_path):
     """SmolLM2's real weights (its first 10 decoder layers, to keep the lowering short: the full model
-    is bench/speculative.py's), 8da4w with an int8 head, a 128-position cache. forward's own calls of
-    2-8 tokens after a context differ from one-token calls by far more than float32 rounding (the
-    quantized activations round differently), while verify's equal them bit for bit; and prompt
-    lookup through verify gives plain greedy's tokens on 12 prompts, several running until the cache
-    is full."""
+    is bench/speculative.py's), 8da4w with an int8 head, a 128-position cache: verify's calls of 2, 3
+    and 5 tokens after a context equal one-token calls bit for bit, and prompt lookup through verify
+    gives plain greedy's tokens on 12 prompts, several running until the cache is full.
+
+    Why verify exists at all: forward's own several-token calls attend the rows together
+    (``custom_sdpa``'s multi-row path), which need not round as one-token calls do, and the quantized
+    activations can amplify that (docs/executorch.md, the verify method). How much depends on the host's
+    vector paths, so it is not asserted here: this test once also required forward's gap to exceed 1e-4
+    (about 1e-3 where it was written) and failed on a Zen 3 host (AVX2, no AVX-512) on 2026-12-07, where
+    the same program's gap was 2.9e-7 at 1 and at 2 ExecuTorch threads. Only what holds on every host is
+    asserted: equality through verify, bit for bit."""
     import copy
 
     from export.executorch.exporter import ExecuTorchExporter
@@ -214,16 +220,7 @@ def test_smollm2_8da4w_keeps_plain_greedy_tokens_where_chunked_calls_do_not(smol
 
     plain.reset()
     plain.forward(torch.tensor(text[:60]), all_logits=False)
-    one = torch.cat([plain.forward(torch.tensor(text[60 + i: 61 + i]), all_logits=False) for i in range(8)])
-    gaps = []  # forward's own call of t tokens: its last row against the t-th one-token call
-    for t in range(2, 9):
-        plain.reset()
-        plain.forward(torch.tensor(text[:60]), all_logits=False)
-        last = plain.forward(torch.tensor(text[60:60 + t]), all_logits=False)[-1]
-        gaps.append((last - one[t - 1]).abs().max().item() / one[t - 1].abs().max().item())
-    # far above float32 rounding (2e-7): the quantized activations amplify it (10 layers: ~1e-3, the demo
-    # .pte: 2.5-4%; 6 layers showed none, hence 10)
-    assert max(gaps) > 1e-4, gaps
+    one = torch.cat([plain.forward(torch.tensor(text[60 + i: 61 + i]), all_logits=False) for i in range(5)])
     for t in (2, 3, 5):
         fast.reset()
         fast.forward(torch.tensor(text[:60]), all_logits=False)

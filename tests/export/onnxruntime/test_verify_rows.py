@@ -6,6 +6,8 @@ block and does not; an export without ``verify_tokens`` refuses to decode specul
 
 from __future__ import annotations
 
+import functools
+
 import onnx
 import pytest
 import torch
@@ -54,6 +56,59 @@ def exports(smollm2_tokenizer, tmp_path_factory):
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def nbits_row_gap() -> float:
+    """How far a row of a 5-row ``MatMulNBits`` call (4-bit, block 32, accuracy level 4: the int4 exports'
+    kernel) is from the same row computed alone, on this host, over the tiny models' and SmolLM2's
+    shapes; 0.0 where ONNX Runtime's kernel gives a row the same bits whatever rows surround it.
+
+    The int4 verification rows rest on that property (export/onnxruntime/verify_rows.py), and it belongs to
+    the host's MLAS kernels, not to our graph: on a 2-core Zen 3 host (AVX2, no AVX-512) on 2026-12-07 a
+    row moved by up to 2.4e-6 at 1 and at 2 threads, where the hosts the design was measured on gave 0.
+    There the runner refuses speculative decoding in one line (``check_rows``), as it must. Measured
+    here with a graph of that one node, apart from the exporter, so an exporter fault cannot hide as a
+    host's kernel."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    gap = 0.0
+    for k, n in [(64, 128), (128, 64), (576, 1536), (1536, 576)]:
+        blocks = k // 32
+        node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=4,
+                                block_size=32, accuracy_level=4)
+        graph = helper.make_graph(
+            [node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+            [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+            [numpy_helper.from_array(rng.integers(0, 255, size=(n, blocks, 16), dtype=np.uint8), "B"),
+             numpy_helper.from_array((rng.random(n * blocks) * 0.02 + 0.001).astype(np.float32), "S")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        a = rng.standard_normal((5, k)).astype(np.float32)
+        several = session.run(None, {"A": a})[0]
+        alone = np.concatenate([session.run(None, {"A": a[i:i + 1]})[0] for i in range(5)])
+        gap = max(gap, float(np.abs(several - alone).max()))
+    return gap
+
+
+def speculative_or_refused(runner, kind: str):
+    """``runner.speculative_runner()``; for an int4 export on a host whose ``MatMulNBits`` rows move with
+    their neighbours (:func:`nbits_row_gap`), asserts the one-line refusal instead and skips the rest
+    (what the test checks cannot hold there)."""
+    gap = nbits_row_gap() if kind == "int4" else 0.0
+    if gap == 0.0:
+        return runner.speculative_runner()
+    with pytest.raises(RunnerError, match="verification calls are not exact on this host"):
+        runner.speculative_runner()
+    pytest.skip(f"int4 verification is refused on this host, as it must be: ONNX Runtime's MatMulNBits gives a "
+                f"row other bits in a 5-row call than alone (up to {gap:.2g})")
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     passage = torch.randint(3, 512, (10,), generator=g).tolist()
@@ -74,7 +129,7 @@ def test_verification_calls_are_one_token_calls_bit_for_bit(exports, key):
     assert result.manifest["verify"] == {"input": VERIFY, "max_tokens": 5, "attention_nodes": 2}
     context = _prompts()[1] + _prompts()[0][:30]  # 60 tokens
     for name, runner in _runners(result).items():
-        fast = runner.speculative_runner()
+        fast = speculative_or_refused(runner, key[1])
         assert fast.verify_tokens == 5 and runner.verify_tokens is None
         for t in (2, 3, 5):
             feed = torch.tensor(_prompts()[2][:t])
@@ -93,7 +148,7 @@ def test_verification_calls_are_one_token_calls_bit_for_bit(exports, key):
 @pytest.mark.parametrize("key", [("llama", "w8a8"), ("gemma2", "int4")], ids=lambda k: "-".join(k))
 def test_speculative_decoding_keeps_plain_greedy_tokens(exports, key):
     for name, runner in _runners(exports[key]).items():
-        fast = runner.speculative_runner()
+        fast = speculative_or_refused(runner, key[1])
         drafted = accepted = 0
         for prompt in _prompts():
             plain = greedy_generate(runner, prompt, 200)  # to the end of the cache
@@ -118,7 +173,7 @@ def test_genai_sizes_its_buffer_to_the_generation(exports):
     the generation needs (prompt + new tokens + a draft), the next generator is sized to it (rounded up),
     and one without the hint gets max_seq_len again. The tokens are plain greedy's either way."""
     runner = OnnxRuntimeExporter().load(exports["llama", "int4"].artifact.parent)
-    fast = runner.speculative_runner()
+    fast = speculative_or_refused(runner, "int4")
     fast.RESERVE_STEP = 16
     sizes, make = [], fast._generator
 
@@ -245,7 +300,7 @@ def test_smollm2_int4_keeps_plain_greedy_tokens(smollm2_loaded, smollm2_tokenize
     res = OnnxRuntimeExporter().export(model, smollm2_tokenizer, tmp_path / "smol", {"max_seq_len": 128,
                                                                                     "verify_tokens": 5}, log=_quiet)
     plain = OnnxRuntimeExporter().load(res.artifact.parent)  # onnxruntime-genai, as apps run it
-    fast = plain.speculative_runner()
+    fast = speculative_or_refused(plain, "int4")
     text = pydoc_splits.eval_ids.tolist()
     plain.reset()
     plain.forward(torch.tensor(text[:60]), all_logits=False)
@@ -328,6 +383,10 @@ def test_on_arm64_the_check_passes_fp32_and_refuses_int4(arm64_env, smollm2_toke
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got[paths[0]] == {"same": True, "drafted": got[paths[0]]["drafted"]} and got[paths[0]]["drafted"] > 0
     assert "not exact on this host" in got[paths[1]]["refused"]
-    # the host's x86-64 build passes both
-    for path in paths:
-        assert OnnxRuntimeRunner(path).speculative_runner().verify_tokens == 5
+    # the host's x86-64 build passes fp32, and int4 where its MatMulNBits rows are exact (else it refuses too)
+    assert OnnxRuntimeRunner(paths[0]).speculative_runner().verify_tokens == 5
+    if nbits_row_gap() == 0.0:
+        assert OnnxRuntimeRunner(paths[1]).speculative_runner().verify_tokens == 5
+    else:
+        with pytest.raises(RunnerError, match="not exact on this host"):
+            OnnxRuntimeRunner(paths[1]).speculative_runner()
